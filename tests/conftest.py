@@ -1,0 +1,36 @@
+"""Shared fixtures: small image datasets made on the spot (no downloads, nothing in git)."""
+
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+def write_images(root, classes=("cat", "dog"), per_class=12, seed=0, ext=".jpg"):
+    """A Keras-style folder: root/<class>/<i><ext>, photos of random size and content."""
+    rng = np.random.default_rng(seed)
+    for c, name in enumerate(classes):
+        os.makedirs(root / name, exist_ok=True)
+        for i in range(per_class):
+            h, w = int(rng.integers(40, 120)), int(rng.integers(40, 160))
+            base = np.full((h, w, 3), 60 + 120 * c, np.uint8)  # the class is visible in the colour
+            img = np.clip(base + rng.integers(-40, 40, (h, w, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(img).save(root / name / f"{i:03d}{ext}")
+    return root
+
+
+def png_bomb(path, width=40000, height=40000):
+    """A tiny PNG whose header claims a huge image: Pillow must refuse it before decoding."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1000)) + chunk(b"IEND", b"")
+    path.write_bytes(data)
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    return write_images(tmp_path / "photos")

@@ -1,0 +1,44 @@
+import subprocess
+import sys
+
+import pytest
+
+from trainfast.cli import ExitStatus, _parser, main
+from trainfast.data.format import Pack
+
+SUBCOMMANDS = sorted(_parser()._subparsers._group_actions[0].choices)
+
+
+def test_pack_in_process(image_folder, tmp_path, capsys):
+    assert main(["pack", str(image_folder), str(tmp_path / "p"), "--size", "16x24", "-q"]) == ExitStatus.OK
+    assert Pack(tmp_path / "p").shape == (16, 24, 3)
+    assert main(["info", str(tmp_path / "p")]) == 0
+    assert "24 images 16×24×3 raw" in capsys.readouterr().out
+
+
+def test_user_error_is_one_line_not_a_traceback(tmp_path, capsys):
+    assert main(["pack", str(tmp_path / "missing"), str(tmp_path / "p"), "--size", "8x8"]) == ExitStatus.ERROR
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "missing: no such file" in err and "Traceback" not in err
+
+
+def test_bad_size_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["pack", "x", "y", "--size", "big"])
+    assert e.value.code == ExitStatus.USAGE and "HxW" in capsys.readouterr().err
+
+
+def test_subprocess_console_entry(image_folder, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "trainfast", "pack", str(image_folder), str(tmp_path / "p"),
+                        "--size", "8", "--workers", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "packed 24 images (8×8×3 raw" in r.stderr
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: trainfast {command}") and len(out) > 100

@@ -1,0 +1,181 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import trainfast
+from trainfast.data.format import Pack
+from trainfast.errors import TrainfastError
+from conftest import png_bomb, write_images
+from test_sources import make_cifar
+
+
+def _bad_inputs(root):
+    """One of each kind of bad input, inside the class folder 'cat'."""
+    (root / "cat" / "zero.jpg").write_bytes(b"")
+    (root / "cat" / "text.png").write_text("I am not a PNG")
+    good = (root / "cat" / "000.jpg").read_bytes()
+    (root / "cat" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (root / "cat" / "folder.jpg").mkdir()  # unreadable as a file
+    png_bomb(root / "cat" / "bomb.png")
+    return 5
+
+
+def test_folder_pack_layout_and_contents(image_folder, tmp_path):
+    pk = trainfast.pack(image_folder, tmp_path / "p.pack", size=(24, 32), workers=2, chunk=5, progress=False)
+    assert len(pk) == 24 and pk.shape == (24, 32, 3) and pk.classes == ["cat", "dog"]
+    images = np.load(tmp_path / "p.pack" / "images.npy", mmap_mode="r")  # numpy alone reads it
+    assert images.shape == (24, 24, 32, 3) and images.dtype == np.uint8
+    labels = np.load(tmp_path / "p.pack" / "labels.npy")
+    # the class is visible in the colour (dark cats, bright dogs): labels follow their images
+    assert np.all((images.reshape(24, -1).mean(1) > 120) == (labels == 1))
+    meta = json.loads((tmp_path / "p.pack" / "meta.json").read_text())
+    assert meta["schema"] == 1 and meta["count"] == 24 and meta["encoding"] == "raw"
+    assert len(meta["mean"]) == 3 and all(0 < s < 1 for s in meta["std"])
+    assert not list(tmp_path.glob(".p.pack*")), "build folders are removed"
+
+
+def test_memmap_is_read_only(image_folder, tmp_path):
+    pk = trainfast.pack(image_folder, tmp_path / "p", size=(8, 8), progress=False)
+    assert isinstance(pk.images, np.memmap)
+    with pytest.raises(ValueError):
+        pk.images[0, 0, 0, 0] = 1
+
+
+def test_bad_inputs_skipped_with_reasons(image_folder, tmp_path):
+    n_bad = _bad_inputs(image_folder)
+    pk = trainfast.pack(image_folder, tmp_path / "p", size=(16, 16), workers=2, chunk=4, progress=False)
+    assert len(pk) == 24
+    reasons = {os.path.basename(s["input"]): s["reason"] for s in pk.skipped}
+    assert len(reasons) == n_bad
+    assert "empty" in reasons["zero.jpg"]
+    assert "not an image" in reasons["text.png"]
+    assert "truncated" in reasons["truncated.jpg"]
+    assert "folder" in reasons["folder.jpg"]
+    assert "decompression bomb" in reasons["bomb.png"]
+
+
+def test_fail_mode_writes_nothing_and_keeps_old_pack(image_folder, tmp_path):
+    out = tmp_path / "p"
+    first = trainfast.pack(image_folder, out, size=(16, 16), progress=False)
+    before = (out / "images.npy").read_bytes()
+    _bad_inputs(image_folder)
+    with pytest.raises(TrainfastError, match=r"(zero|text|truncated|folder|bomb)\.(jpg|png): .*nothing was written"):
+        trainfast.pack(image_folder, out, size=(16, 16), on_error="fail", overwrite=True, chunk=3, progress=False)
+    assert (out / "images.npy").read_bytes() == before and len(Pack(out)) == len(first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p", "photos"]
+    with pytest.raises(TrainfastError):
+        trainfast.pack(image_folder, tmp_path / "new", size=(16, 16), on_error="fail", progress=False)
+    assert not (tmp_path / "new").exists()
+
+
+def test_out_that_is_not_a_pack_is_refused(image_folder, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(TrainfastError, match="not a pack"):
+        trainfast.pack(image_folder, out, size=(8, 8), progress=False)
+    assert (out / "precious.txt").read_text() == "keep me"
+    trainfast.pack(image_folder, out, size=(8, 8), overwrite=True, progress=False)
+    assert Pack(out) and not (out / "precious.txt").exists()
+
+
+def test_different_pack_needs_overwrite_same_is_up_to_date(image_folder, tmp_path):
+    out = tmp_path / "p"
+    trainfast.pack(image_folder, out, size=(8, 8), progress=False)
+    mtime = (out / "images.npy").stat().st_mtime_ns
+    trainfast.pack(image_folder, out, size=(8, 8), progress=False)  # up to date: untouched
+    assert (out / "images.npy").stat().st_mtime_ns == mtime
+    with pytest.raises(TrainfastError, match="--overwrite"):
+        trainfast.pack(image_folder, out, size=(9, 9), progress=False)
+    assert trainfast.pack(image_folder, out, size=(9, 9), overwrite=True, progress=False).shape == (9, 9, 3)
+
+
+def test_empty_source(tmp_path):
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    with pytest.raises(TrainfastError, match="no images found"):
+        trainfast.pack(tmp_path / "empty", tmp_path / "p", size=(8, 8), progress=False)
+
+
+def test_all_inputs_bad(tmp_path):
+    (tmp_path / "d" / "a").mkdir(parents=True)
+    (tmp_path / "d" / "a" / "x.jpg").write_bytes(b"nope")
+    with pytest.raises(TrainfastError, match="none of the 1 inputs could be packed.*x.jpg"):
+        trainfast.pack(tmp_path / "d", tmp_path / "p", size=(8, 8), progress=False)
+    assert not (tmp_path / "p").exists()
+
+
+def test_csv_plates_with_missing_files(tmp_path):
+    write_images(tmp_path / "img", classes=("x",), per_class=6)
+    plates = ["AB12CD34", "ZZ99YY88", "QW12ER34", "TY56UI78", "OP90AS12", "DF34GH56"]
+    lines = ["path,plate"] + [f"img/x/{i:03d}.jpg,{p}" for i, p in enumerate(plates)] + ["img/x/gone.jpg,AA00BB11"]
+    (tmp_path / "plates.csv").write_text("\n".join(lines) + "\n")
+    pk = trainfast.pack(tmp_path / "plates.csv", tmp_path / "p", size=(16, 32), label_column="plate", progress=False)
+    assert len(pk) == 6 and pk.alphabet and pk.labels.shape == (6, 8)
+    assert sorted(pk.label_text(pk.labels[i]) for i in range(6)) == sorted(plates)
+    assert pk.skipped == [{"input": "img/x/gone.jpg", "reason": "file not found"}]
+
+
+def test_arrays_limit_seed_and_grayscale(tmp_path):
+    images = np.random.default_rng(0).integers(0, 255, (50, 10, 12, 3), dtype=np.uint8)
+    labels = np.arange(50) % 5
+    pk = trainfast.pack((images, labels), tmp_path / "p", size=(10, 12), limit=20, seed=3, progress=False)
+    assert len(pk) == 20
+    idx = [int(k.split("[")[1].rstrip("]")) for k in pk.inputs]
+    assert len(set(idx)) == 20 and idx != sorted(idx)  # a seeded random subset
+    assert np.array_equal(pk.images[0], images[idx[0]])  # same size: stored exactly
+    assert np.array_equal(pk.labels, labels[idx])
+    g = trainfast.pack((images, labels), tmp_path / "g", size=(5, 6), channels=1, progress=False)
+    assert g.shape == (5, 6, 1)
+
+
+def test_cifar_tarball(tmp_path):
+    pk = trainfast.pack(make_cifar(tmp_path / "cifar-10-python.tar.gz"), tmp_path / "c", size=(32, 32), progress=False)
+    assert len(pk) == 100 and pk.classes[0] == "airplane" and pk.encoding == "raw"
+
+
+def test_jpeg_encoding_round_trip(image_folder, tmp_path):
+    raw = trainfast.pack(image_folder, tmp_path / "r", size=(32, 32), encoding="raw", progress=False)
+    jpg = trainfast.pack(image_folder, tmp_path / "j", size=(32, 32), encoding="jpeg", quality=95, progress=False)
+    assert jpg.encoding == "jpeg" and jpg.images is None
+    offsets = np.load(tmp_path / "j" / "offsets.npy")
+    assert offsets.shape == (25,) and offsets[0] == 0
+    for i in (0, 7, 23):
+        assert np.abs(jpg.image(i).astype(int) - raw.image(i).astype(int)).mean() < 6
+    assert trainfast.pack(image_folder, tmp_path / "a", size=(300, 300), progress=False).encoding == "jpeg"
+
+
+def test_kill_and_resume_is_byte_identical(tmp_path):
+    write_images(tmp_path / "d", per_class=150)
+    reference = trainfast.pack(tmp_path / "d", tmp_path / "ref", size=(48, 48), chunk=10, progress=False)
+    out = tmp_path / "p"
+    code = (f"import trainfast; trainfast.pack({str(tmp_path / 'd')!r}, {str(out)!r}, size=(48, 48), "
+            "chunk=10, workers=1, progress=False)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    chunks = tmp_path / ".p.trainfast-build" / "chunks"
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list(chunks.glob("*.json"))) < 3:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists(), "a killed build leaves nothing at OUT"
+    done = len(list(chunks.glob("*.json")))
+    assert 3 <= done < 30
+    pk = trainfast.pack(tmp_path / "d", out, size=(48, 48), chunk=10, progress=False)
+    for name in ("images.npy", "labels.npy"):
+        assert (out / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+    assert pk.inputs == reference.inputs
+
+
+def test_bad_options(image_folder, tmp_path):
+    for kw, msg in [({"size": (0, 5)}, "out of range"), ({"resize": "squash"}, "resize must be"),
+                    ({"channels": 2}, "channels"), ({"encoding": "png"}, "encoding"),
+                    ({"quality": 0}, "quality")]:
+        kw.setdefault("size", (8, 8))
+        with pytest.raises(TrainfastError, match=msg):
+            trainfast.pack(image_folder, tmp_path / "p", progress=False, **kw)

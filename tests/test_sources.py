@@ -1,0 +1,134 @@
+import io
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+
+from trainfast.data.sources import from_arrays, from_cifar, from_csv, from_folder, open_source
+from trainfast.errors import TrainfastError
+from conftest import write_images
+
+
+def test_folder_classes_sorted_and_recursive(tmp_path):
+    root = write_images(tmp_path / "d", classes=("zebra", "ant"), per_class=3)
+    (root / "ant" / "sub").mkdir()
+    write_images(tmp_path / "extra", classes=("x",), per_class=1)
+    (tmp_path / "extra" / "x" / "000.jpg").rename(root / "ant" / "sub" / "deep.jpg")
+    (root / "ant" / "notes.txt").write_text("not an image")
+    src = from_folder(root)
+    assert src.classes == ["ant", "zebra"]
+    assert len(src) == 7 and "ant/sub/deep.jpg" in src.keys
+    assert list(src.labels).count(0) == 4
+
+
+def test_folder_without_class_subfolders_says_how(tmp_path):
+    write_images(tmp_path / "d", classes=("a",), per_class=2)
+    flat = tmp_path / "d" / "a"
+    with pytest.raises(TrainfastError, match="one subfolder per class"):
+        from_folder(flat)
+
+
+def test_csv_class_labels_and_relative_paths(tmp_path):
+    write_images(tmp_path / "d", classes=("a",), per_class=3)
+    (tmp_path / "list.csv").write_text("path,label\nd/a/000.jpg,cat\nd/a/001.jpg,dog\nd/a/002.jpg,cat\n")
+    src = from_csv(tmp_path / "list.csv")
+    assert src.classes == ["cat", "dog"] and list(src.labels) == [0, 1, 0]
+    assert src.files[0] == str(tmp_path / "d/a/000.jpg")
+
+
+def test_csv_plate_sequences_with_bad_rows(tmp_path):
+    rows = ["file,plate", "a.jpg,AB12CD34", "b.jpg,ZZ99ZZ99", "c.jpg,SHORT", "d.jpg,ab12cd34",
+            "e.jpg,XY12XY34,extra", ",AB12CD34", "f.jpg,QQ11QQ22", "g.jpg,WW33WW44", "h.jpg,RR55RR66",
+            "i.jpg,TT77TT88", "j.jpg,KK00KK11", "k.jpg,MM22MM33", "l.jpg,NN44NN55", "m.jpg,PP66PP77",
+            "n.jpg,LL88LL99", "o.jpg,HH00HH11", "p.jpg,GG22GG33", "q.jpg,FF44FF55", "r.jpg,EE66EE77"]
+    (tmp_path / "p.csv").write_text("\n".join(rows) + "\n")
+    src = from_csv(tmp_path / "p.csv", path_column="file", label_column="plate")
+    assert src.alphabet == "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    assert src.labels.shape == (len(src), 8)
+    assert "".join(src.alphabet[i] for i in src.labels[0]) == "AB12CD34"
+    reasons = " | ".join(r for _, r in src.skipped)
+    assert "5 characters, expected 8" in reasons
+    assert "not in the alphabet" in reasons
+    assert "malformed row" in reasons and "empty path" in reasons
+    assert all(k.startswith("p.csv:") for k, _ in src.skipped)
+
+
+def test_csv_missing_column_lists_columns(tmp_path):
+    (tmp_path / "x.csv").write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(TrainfastError, match="no column 'path'.*columns are a, b, c"):
+        from_csv(tmp_path / "x.csv")
+
+
+def test_csv_empty(tmp_path):
+    (tmp_path / "e.csv").write_text("")
+    with pytest.raises(TrainfastError, match="empty CSV"):
+        from_csv(tmp_path / "e.csv")
+    (tmp_path / "h.csv").write_text("path,label\n")
+    with pytest.raises(TrainfastError, match="no usable rows"):
+        from_csv(tmp_path / "h.csv")
+
+
+def test_arrays_validation():
+    with pytest.raises(TrainfastError, match="3 images but 2 labels"):
+        from_arrays(np.zeros((3, 4, 4, 3), np.uint8), np.zeros(2, np.int64))
+    with pytest.raises(TrainfastError, match="empty"):
+        from_arrays(np.zeros((0, 4, 4, 3), np.uint8), np.zeros(0, np.int64))
+
+
+def make_cifar(path, n_per_batch=20, hundred=False):
+    """A tarball laid out like the authors' CIFAR python version (pickled dicts of arrays)."""
+    rng = np.random.default_rng(0)
+    with tarfile.open(path, "w:gz") as tar:
+        def add(name, obj):
+            data = pickle.dumps(obj, protocol=2)
+            info = tarfile.TarInfo(f"cifar-python/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        if hundred:
+            add("meta", {"fine_label_names": [f"c{i}" for i in range(100)], "coarse_label_names": ["x"] * 20})
+            for split in ("train", "test"):
+                add(split, {"data": rng.integers(0, 255, (n_per_batch, 3072), dtype=np.uint8),
+                            "fine_labels": [int(x) for x in rng.integers(0, 100, n_per_batch)]})
+        else:
+            add("batches.meta", {"label_names": ["airplane", "automobile", "bird", "cat", "deer",
+                                                 "dog", "frog", "horse", "ship", "truck"]})
+            for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+                add(name, {b"data": rng.integers(0, 255, (n_per_batch, 3072), dtype=np.uint8),
+                           b"labels": [int(x) for x in rng.integers(0, 10, n_per_batch)]})
+    return path
+
+
+def test_cifar10_and_100(tmp_path):
+    src = from_cifar(make_cifar(tmp_path / "cifar-10-python.tar.gz"))
+    assert len(src) == 100 and src.array.shape == (100, 32, 32, 3) and src.classes[3] == "cat"
+    assert len(from_cifar(tmp_path / "cifar-10-python.tar.gz", split="test")) == 20
+    src100 = from_cifar(make_cifar(tmp_path / "cifar-100-python.tar.gz", hundred=True))
+    assert len(src100.classes) == 100 and len(src100) == 20
+
+
+def test_cifar_pickle_cannot_run_code(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            import os
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+    data = pickle.dumps({"label_names": Evil()}, protocol=2)
+    with tarfile.open(tmp_path / "evil.tar.gz", "w:gz") as tar:
+        info = tarfile.TarInfo("x/batches.meta")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        for n in [f"data_batch_{i}" for i in range(1, 6)]:
+            info = tarfile.TarInfo(f"x/{n}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(TrainfastError, match="refusing to load"):
+        from_cifar(tmp_path / "evil.tar.gz")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_open_source_unknown(tmp_path):
+    (tmp_path / "x.txt").write_text("hi")
+    with pytest.raises(TrainfastError, match="not a source"):
+        open_source(tmp_path / "x.txt")
+    with pytest.raises(TrainfastError, match="no such file"):
+        open_source(tmp_path / "missing")

@@ -1,0 +1,67 @@
+"""Typed configs, one per component, with every default in one place.
+
+NOTE: imports nothing of ours; every room may import it. Each field's docstring is the one
+line that `--help` and the docs repeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class PackConfig:
+    """How `trainfast pack` turns a source into a pack."""
+
+    size: tuple[int, int] = (64, 128)
+    """Target (height, width) of every image in the pack."""
+    resize: str = "stretch"
+    """stretch (ignore aspect), fit (pad with black to keep aspect) or crop (centre crop)."""
+    channels: int = 3
+    """3 for RGB, 1 for grayscale; every input mode is converted."""
+    encoding: str = "auto"
+    """raw (uint8 arrays; fastest to read) or jpeg (small on disk); auto: jpeg above 256×256."""
+    quality: int = 90
+    """JPEG quality for encoding=jpeg."""
+    workers: int = 0
+    """Decoding processes; 0 means one per usable core."""
+    on_error: str = "skip"
+    """skip: leave bad inputs out and list them; fail: stop at the first, write nothing."""
+    limit: int = 0
+    """Pack only the first N inputs of the shuffled order (0: all)."""
+    seed: int = 0
+    """Seed of the order in which the inputs are stored."""
+    chunk: int = 512
+    """Inputs per unit of work; a rerun after a kill skips the chunks already done."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Augment:
+    """Batched augmentations, run on the device after the copy (no per-sample Python).
+
+    Geometric ones run on uint8 NHWC before conversion; colour ones on the float batch.
+    """
+
+    crop_pad: int = 0
+    """Random crop after padding each side by this many pixels (reflect padding)."""
+    translate: int = 0
+    """Random shift by up to this many pixels, zero-filled."""
+    flip: bool = False
+    """Random horizontal flip. Off by default: it breaks text such as plates."""
+    brightness: float = 0.0
+    """Multiply each image by 1 + U(-b, b)."""
+    contrast: float = 0.0
+    """Scale each image's deviation from its mean by 1 + U(-c, c)."""
+    cutout: int = 0
+    """Zero one random square of this side per image."""
+
+    @property
+    def active(self) -> bool:
+        return any(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def geometric(self) -> bool:
+        return bool(self.crop_pad or self.translate or self.flip)

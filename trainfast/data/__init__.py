@@ -1,0 +1,1 @@
+"""The data path: sources → decode → pack/format → loader → augment (see DESIGN.md)."""

@@ -1,0 +1,134 @@
+"""Decode one image (a file or an array) to a fixed size, RGB or grayscale uint8.
+
+This runs in pack worker processes: it imports numpy and Pillow only. Every failure a
+user's file can cause becomes a DecodeError whose message is the reason, in words.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+RESIZE_MODES = ("stretch", "fit", "crop")
+_EXIF_ORIENTATION = 0x0112
+
+
+class DecodeError(Exception):
+    """An input that cannot become an image; str(e) is the reason."""
+
+
+def _target_scale(w: int, h: int, tw: int, th: int, mode: str) -> tuple[float, float]:
+    """Scale factors (x, y) from a w×h source to the resized image before any padding/crop."""
+    if mode == "stretch":
+        return tw / w, th / h
+    s = min(tw / w, th / h) if mode == "fit" else max(tw / w, th / h)
+    return s, s
+
+
+def _to_8bit_mode(im: Image.Image, channels: int) -> Image.Image:
+    """Any Pillow mode → 'RGB' or 'L' (alpha dropped, as Keras's load_img does)."""
+    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        a = np.asarray(im)
+        if a.dtype.kind == "f":
+            a = np.clip(a, 0.0, 1.0) * 255.0 if a.max(initial=0) <= 1.0 else np.clip(a, 0, 255)
+        else:  # 16-bit samples: scale the full range, don't clip at 255
+            a = a.astype(np.float32) / 257.0
+        im = Image.fromarray(np.rint(a).astype(np.uint8), "L")
+    if im.mode == "P" and "transparency" in im.info:
+        im = im.convert("RGBA")
+    want = "L" if channels == 1 else "RGB"
+    return im if im.mode == want else im.convert(want)
+
+
+def resize(im: Image.Image, tw: int, th: int, mode: str) -> Image.Image:
+    """Resize a Pillow image to tw×th: stretch, fit (letterbox with black) or centre crop."""
+    w, h = im.size
+    if (w, h) == (tw, th):
+        return im
+    if mode == "stretch":
+        return im.resize((tw, th), Image.BILINEAR)
+    if mode == "crop":
+        # Crop the centred source box with the target's aspect ratio and resize it in one go.
+        s = max(tw / w, th / h)
+        bw, bh = tw / s, th / s
+        box = ((w - bw) / 2, (h - bh) / 2, (w + bw) / 2, (h + bh) / 2)
+        return im.resize((tw, th), Image.BILINEAR, box=box)
+    s = min(tw / w, th / h)
+    nw, nh = max(1, round(w * s)), max(1, round(h * s))
+    canvas = Image.new(im.mode, (tw, th))
+    canvas.paste(im.resize((nw, nh), Image.BILINEAR), ((tw - nw) // 2, (th - nh) // 2))
+    return canvas
+
+
+def decode_file(data: bytes, size: tuple[int, int], mode: str, channels: int) -> np.ndarray:
+    """Bytes of an image file → (H, W, C) uint8 at `size` = (H, W).
+
+    JPEGs are decoded at reduced size with DCT scaling when the target is much smaller; EXIF
+    orientation is applied; decompression bombs (Pillow's limit) are refused.
+    """
+    if not data:
+        raise DecodeError("empty file (0 bytes)")
+    th, tw = size
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+            if im.format == "JPEG":
+                orientation = im.getexif().get(_EXIF_ORIENTATION, 1)
+                rotated = orientation in (5, 6, 7, 8)  # stored image is transposed
+                w, h = im.size
+                sx, sy = _target_scale(h, w, tw, th, mode)[::-1] if rotated else _target_scale(w, h, tw, th, mode)
+                im.draft("L" if channels == 1 else "RGB", (math.ceil(w * sx), math.ceil(h * sy)))
+            im.load()
+            im = ImageOps.exif_transpose(im)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise DecodeError(f"refused as a decompression bomb ({e})") from None
+    except UnidentifiedImageError:
+        raise DecodeError("not an image Pillow can read") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise DecodeError(f"corrupt or truncated image ({e})") from None
+    im = _to_8bit_mode(im, channels)
+    return _as_hwc(resize(im, tw, th, mode))
+
+
+def decode_array(a: np.ndarray, size: tuple[int, int], mode: str, channels: int) -> np.ndarray:
+    """One (H, W), (H, W, 1|3|4) uint8 or [0, 1] float array → (H, W, C) uint8 at `size`."""
+    if a.dtype != np.uint8:
+        if a.dtype.kind != "f":
+            raise DecodeError(f"array images must be uint8 or float in [0, 1], not {a.dtype}")
+        a = np.rint(np.clip(a, 0.0, 1.0) * 255.0).astype(np.uint8)
+    if a.ndim == 3 and a.shape[2] == 1:
+        a = a[:, :, 0]
+    if a.ndim == 3 and a.shape[2] == 4:
+        a = a[:, :, :3]
+    if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] != 3):
+        raise DecodeError(f"array image of shape {a.shape} is not (H, W) or (H, W, 1|3|4)")
+    th, tw = size
+    if a.shape[:2] == (th, tw) and (a.ndim == 2) == (channels == 1):
+        return a.reshape(th, tw, channels)
+    im = Image.fromarray(np.ascontiguousarray(a), "L" if a.ndim == 2 else "RGB")
+    return _as_hwc(resize(_to_8bit_mode(im, channels), tw, th, mode))
+
+
+def encode_jpeg(image: np.ndarray, quality: int) -> bytes:
+    """(H, W, C) uint8 → JPEG bytes (deterministic for the same input and quality)."""
+    im = Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image)
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def decode_jpeg(data, channels: int) -> np.ndarray:
+    """JPEG bytes from a pack → (H, W, C) uint8. Pillow releases the GIL while decoding."""
+    im = Image.open(io.BytesIO(data))
+    im = im.convert("L" if channels == 1 else "RGB")
+    return _as_hwc(im)
+
+
+def _as_hwc(im: Image.Image) -> np.ndarray:
+    a = np.asarray(im, dtype=np.uint8)
+    return a[:, :, None] if a.ndim == 2 else a

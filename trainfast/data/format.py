@@ -1,0 +1,118 @@
+"""The pack on disk, and `Pack`, its reader. docs/FORMAT.md is the specification.
+
+A pack is a directory of plain files that numpy alone can read:
+
+    meta.json      schema version, count, shape, encoding, labels, mean/std, source, options
+    images.npy     raw packs: (N, H, W, C) uint8, NHWC
+    jpeg.npy       jpeg packs: every image's JPEG bytes, concatenated, uint8
+    offsets.npy    jpeg packs: (N + 1,) int64; image i is jpeg[offsets[i]:offsets[i + 1]]
+    labels.npy     (N,) int64 class indices, or (N, L) int64 indices into the alphabet
+    inputs.json    for each image, the input it came from (a path, or arrays[i])
+    skipped.json   inputs left out, with the reason: [{"input": ..., "reason": ...}]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from trainfast.errors import TrainfastError
+
+SCHEMA_VERSION = 1
+META = "meta.json"
+ENCODINGS = ("raw", "jpeg")
+
+
+def is_pack(path) -> bool:
+    """True when `path` is a directory holding a pack's meta.json."""
+    return (Path(path) / META).is_file()
+
+
+def read_meta(path) -> dict:
+    p = Path(path)
+    try:
+        meta = json.loads((p / META).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TrainfastError(f"{p}: not a pack (no {META}; make one with `trainfast pack`)") from None
+    except (OSError, ValueError) as e:
+        raise TrainfastError(f"{p}: unreadable {META} ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != "trainfast-pack":
+        raise TrainfastError(f"{p}: {META} is not a trainfast pack's")
+    if meta.get("schema") != SCHEMA_VERSION:
+        raise TrainfastError(f"{p}: pack schema {meta.get('schema')} is not {SCHEMA_VERSION}, which this "
+                             "trainfast reads; rebuild it with `trainfast pack --overwrite`")
+    return meta
+
+
+class Pack:
+    """A pack opened for reading; arrays are memory-mapped, never loaded whole.
+
+    Example:
+        pk = Pack("plates.pack")
+        len(pk), pk.shape          # 20000, (64, 128, 3)
+        pk.images[0]               # (64, 128, 3) uint8, read-only (raw packs)
+        pk.image(0)                # the same, for raw and jpeg packs alike
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.meta = read_meta(self.path)
+        m = self.meta
+        self.shape: tuple[int, int, int] = tuple(m["shape"])  # (H, W, C)
+        self.encoding: str = m["encoding"]
+        self.classes: list[str] | None = m.get("classes")
+        self.alphabet: str | None = m.get("alphabet")
+        self.mean: list[float] = m["mean"]
+        self.std: list[float] = m["std"]
+        try:
+            self.labels: np.ndarray = np.load(self.path / "labels.npy", mmap_mode="r", allow_pickle=False)
+            if self.encoding == "raw":
+                self.images = np.load(self.path / "images.npy", mmap_mode="r", allow_pickle=False)
+                n = len(self.images)
+            else:
+                self.images = None
+                self.jpeg = np.load(self.path / "jpeg.npy", mmap_mode="r", allow_pickle=False)
+                self.offsets = np.load(self.path / "offsets.npy", allow_pickle=False)
+                n = len(self.offsets) - 1
+        except (OSError, ValueError) as e:
+            raise TrainfastError(f"{self.path}: damaged pack ({e})") from None
+        if n != m["count"] or len(self.labels) != n:
+            raise TrainfastError(f"{self.path}: damaged pack (meta says {m['count']} images, arrays hold {n})")
+
+    def __len__(self) -> int:
+        return self.meta["count"]
+
+    def __repr__(self) -> str:
+        h, w, c = self.shape
+        what = f"{len(self.classes)} classes" if self.classes else f"sequences of {self.sequence_length} over {self.alphabet!r}"
+        return f"Pack({str(self.path)!r}: {len(self)} images {h}×{w}×{c} {self.encoding}, {what})"
+
+    @property
+    def sequence_length(self) -> int | None:
+        """L for sequence labels (N, L); None for class labels."""
+        return self.labels.shape[1] if self.labels.ndim == 2 else None
+
+    @property
+    def skipped(self) -> list[dict]:
+        return json.loads((self.path / "skipped.json").read_text(encoding="utf-8"))
+
+    @property
+    def inputs(self) -> list[str]:
+        return json.loads((self.path / "inputs.json").read_text(encoding="utf-8"))
+
+    def image(self, i: int) -> np.ndarray:
+        """Image i as (H, W, C) uint8, decoding it for jpeg packs."""
+        if self.images is not None:
+            return np.asarray(self.images[i])
+        from trainfast.data.decode import decode_jpeg
+
+        return decode_jpeg(memoryview(self.jpeg[self.offsets[i]: self.offsets[i + 1]]), self.shape[2])
+
+    def label_text(self, label) -> str:
+        """A label as a person reads it: the class name, or the plate string."""
+        label = np.asarray(label)
+        if label.ndim == 1:
+            return "".join(self.alphabet[int(i)] for i in label)
+        return self.classes[int(label)] if self.classes else str(int(label))

@@ -1,0 +1,185 @@
+"""Loader: batches from a pack, on the device, at memory speed.
+
+Worker threads gather each batch with one np.take from the memory-mapped NHWC array (JPEG
+packs decode in the same threads; Pillow releases the GIL) into pinned memory on CUDA.
+The consumer copies it to the device (non_blocking), augments it there as whole-batch
+ops, and converts it; `permute(0, 3, 1, 2)` of the NHWC batch is already NCHW in
+channels_last memory, so no transpose copy is ever made.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainfast.config import Augment
+from trainfast.data import augment as _augment
+from trainfast.data.decode import decode_jpeg
+from trainfast.data.format import Pack
+from trainfast.errors import TrainfastError
+from trainfast.hardware import resolve_device, usable_cores
+
+
+class Loader:
+    """An iterable of `(images, labels)` batches from a pack, on `device`.
+
+    Args:
+        pack: a Pack or the path of one.
+        batch_size: images per batch (per process, under torchrun).
+        shuffle: a fresh permutation each epoch, determined by (seed, epoch).
+        drop_last: drop the last, smaller batch; defaults to `shuffle` (training).
+        seed: seed of the order and of the augmentations.
+        device: 'cpu', 'cuda', 'cuda:1', or None for cuda when available.
+        dtype: float32 / bfloat16 / float16 in [0, 1] (normalised by the pack's mean and std
+            when normalize=True), or torch.uint8 as stored (no conversion, no colour augment).
+        normalize: subtract the pack's per-channel mean and divide by its std.
+        augment: an Augment config; geometric ones apply for uint8 output too.
+        rank, world_size: this process's disjoint, equal share of each epoch (DDP).
+        workers: gathering/decoding threads (default: 2 for raw packs, cores for JPEG).
+        prefetch: batches prepared ahead (default: workers + 2).
+
+    Images come as (B, C, H, W) in channels_last memory; labels as int64 (B,) or (B, L).
+    `len(loader)` is batches per epoch. Each `for` over the loader runs one epoch and then
+    moves to the next; `state_dict()` / `load_state_dict()` save and restore the position.
+    """
+
+    _pool: ThreadPoolExecutor | None = None
+
+    def __init__(self, pack, batch_size: int = 256, *, shuffle: bool = True, drop_last: bool | None = None,
+                 seed: int = 0, device=None, dtype: torch.dtype = torch.float32, normalize: bool = True,
+                 augment: Augment | None = None, rank: int = 0, world_size: int = 1,
+                 workers: int | None = None, prefetch: int | None = None):
+        self.pack = pack if isinstance(pack, Pack) else Pack(Path(pack))
+        if batch_size < 1:
+            raise TrainfastError(f"batch_size must be ≥ 1, not {batch_size}")
+        if not (world_size >= 1 and 0 <= rank < world_size):
+            raise TrainfastError(f"rank {rank} is not in [0, world_size={world_size})")
+        try:
+            self.device = resolve_device(device)
+        except ValueError as e:
+            raise TrainfastError(str(e)) from None
+        self.augment = augment or Augment()
+        if dtype == torch.uint8 and (self.augment.brightness or self.augment.contrast or self.augment.cutout):
+            raise TrainfastError("colour augmentations (brightness, contrast, cutout) need a float dtype, not uint8")
+        if dtype not in (torch.uint8, torch.float32, torch.bfloat16, torch.float16):
+            raise TrainfastError(f"dtype must be uint8, float32, bfloat16 or float16, not {dtype}")
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = shuffle if drop_last is None else drop_last
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.dtype, self.normalize = dtype, normalize
+        self.workers = workers or (2 if self.pack.encoding == "raw" else usable_cores())
+        self.prefetch = prefetch or self.workers + 2
+        self.epoch, self.position = 0, 0  # position: batches of this epoch already yielded
+        self._pin = self.device.type == "cuda"
+        self._labels = np.asarray(self.pack.labels)  # small: keep in memory
+        c = self.pack.shape[2]
+        mean = torch.tensor(self.pack.mean if normalize else [0.0] * c).view(1, c, 1, 1)
+        std = torch.tensor(self.pack.std if normalize else [1.0] * c).view(1, c, 1, 1)
+        # x_float = u8 * scale + shift, i.e. (u8 / 255 - mean) / std, fused into two ops
+        self._scale = (1 / (255 * std)).to(self.device, torch.float32)
+        self._shift = (-mean / std).to(self.device, torch.float32)
+        self._mean, self._std = mean.to(self.device), std.to(self.device)
+        if self.samples_per_rank == 0 or len(self) == 0:
+            raise TrainfastError(f"{self.pack.path}: {len(self.pack)} images are too few for batch_size "
+                                 f"{batch_size} × world_size {world_size} with drop_last")
+
+    # -- order --------------------------------------------------------------------------------
+
+    @property
+    def samples_per_rank(self) -> int:
+        return len(self.pack) // self.world_size
+
+    def __len__(self) -> int:
+        n, b = self.samples_per_rank, self.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def indices(self, epoch: int) -> np.ndarray:
+        """This rank's pack indices for `epoch`, in order (a pure function of seed and epoch).
+
+        Rank r takes every world_size-th index from position r, so the k-th batches of all
+        ranks together are the k-th batch of one process with world_size × batch_size.
+        """
+        n = len(self.pack)
+        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return order[self.rank:: self.world_size][: self.samples_per_rank]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = epoch, 0
+
+    # -- iteration ----------------------------------------------------------------------------
+
+    def __iter__(self):
+        epoch, start = self.epoch, self.position
+        idx = self.indices(epoch)
+        b = self.batch_size
+        jobs = (idx[k * b: (k + 1) * b] for k in range(start, len(self)))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="trainfast-loader")
+        inflight: deque = deque()
+        try:
+            for k in range(start, len(self)):
+                while len(inflight) < self.prefetch:
+                    batch = next(jobs, None)
+                    if batch is None:
+                        break
+                    inflight.append(self._pool.submit(self._gather, batch))
+                images, labels = inflight.popleft().result()
+                out = self._finish(images, labels, epoch, k)
+                self.position = k + 1
+                yield out
+        finally:
+            for f in inflight:
+                f.cancel()
+        self.epoch, self.position = epoch + 1, 0
+
+    def _gather(self, idx: np.ndarray):
+        """Host side of one batch (runs in a worker thread): uint8 (B, H, W, C) + labels."""
+        h, w, c = self.pack.shape
+        images = torch.empty((len(idx), h, w, c), dtype=torch.uint8, pin_memory=self._pin)
+        out = images.numpy()
+        if self.pack.images is not None:
+            np.take(self.pack.images, idx, axis=0, out=out)
+        else:
+            jpeg, offsets = self.pack.jpeg, self.pack.offsets
+            for j, i in enumerate(idx):
+                out[j] = decode_jpeg(memoryview(jpeg[offsets[i]: offsets[i + 1]]), c)
+        labels = torch.from_numpy(self._labels[idx])
+        return images, (labels.pin_memory() if self._pin else labels)
+
+    def _generator(self, epoch: int, k: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(int(np.random.SeedSequence([self.seed, self.rank, epoch, k]).generate_state(1)[0]))
+        return g
+
+    def _finish(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, k: int):
+        """Device side of one batch: copy, augment, convert (runs in the consumer's thread)."""
+        x = images.to(self.device, non_blocking=True)
+        y = labels.to(self.device, non_blocking=True)
+        aug = self.augment
+        g = self._generator(epoch, k) if aug.active else None
+        if aug.geometric:
+            x = _augment.geometric(x, aug, g)
+        x = x.permute(0, 3, 1, 2)  # (B, C, H, W) view of NHWC memory: channels_last, no copy
+        if self.dtype == torch.uint8:
+            return x, y
+        if aug.brightness or aug.contrast or aug.cutout:
+            x = _augment.photometric(x.to(self.dtype).mul_(1 / 255), aug, g)
+            x.sub_(self._mean.to(self.dtype)).div_(self._std.to(self.dtype))
+        else:
+            x = x.to(self.dtype).mul_(self._scale.to(self.dtype)).add_(self._shift.to(self.dtype))
+        return x, y
+
+    def __del__(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,392 @@
+"""Build a pack: decode and resize every input once, in parallel, resumably, atomically.
+
+The work is cut into deterministic chunks of the (seeded) input order. Each worker process
+writes its chunk's arrays into a build folder beside OUT and a small JSON that marks the
+chunk done; a rerun after a kill (SIGKILL included) keeps the finished chunks. When all are
+done the chunks are assembled into the pack's arrays in a temporary sibling folder, which
+is renamed to OUT in one step. A reader never sees a half-written pack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import replace
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+
+from trainfast.config import PackConfig
+from trainfast.data import decode as _decode
+from trainfast.data.format import ENCODINGS, SCHEMA_VERSION, Pack, is_pack, read_meta
+from trainfast.data.sources import Source, from_arrays, open_source
+from trainfast.errors import TrainfastError
+from trainfast.hardware import usable_cores
+
+_JPEG_AUTO_PIXELS = 256 * 256  # auto encoding: raw up to this many pixels per image, jpeg above
+
+
+def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = False,
+         progress: bool = True, **options) -> Pack:
+    """Decode and resize every image of `source` once into a pack at `out`.
+
+    Args:
+        source: an image folder, a .csv, a .npz, a CIFAR tarball, a `Source`, or a tuple
+            (images, labels) of arrays.
+        out: the pack's directory. An existing pack is kept if it is up to date, and
+            replaced only with overwrite=True; anything else there is refused.
+        config: a PackConfig; keyword options (size=(64, 128), encoding="jpeg", ...) override it.
+        progress: show a progress bar and print a summary to stderr.
+        path_column, label_column, label_kind, alphabet, split: how to read CSV and CIFAR sources.
+
+    Returns:
+        the finished Pack.
+
+    Example:
+        trainfast.pack("photos/", "photos.pack", size=(64, 128), resize="crop")
+    """
+    source_options = {k: options.pop(k) for k in ("path_column", "label_column", "label_kind", "alphabet", "split")
+                      if k in options}
+    cfg = replace(config or PackConfig(), **options)
+    cfg = _checked(cfg)
+    log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
+
+    if isinstance(source, Source):
+        src = source
+    elif isinstance(source, tuple) and len(source) == 2:
+        src = from_arrays(*source)
+    else:
+        src = open_source(source, **source_options)
+
+    if src.skipped and cfg.on_error == "fail":
+        key, reason = src.skipped[0]
+        raise TrainfastError(f"{key}: {reason} (--on-error fail: nothing was written)")
+    out = Path(out)
+    order = np.random.default_rng(cfg.seed).permutation(len(src))
+    if cfg.limit:
+        order = order[: cfg.limit]
+    identity = {"fingerprint": src.fingerprint(), "options": _options_record(cfg), "count_in": len(order)}
+
+    if out.exists() or out.is_symlink():
+        if is_pack(out) and not overwrite:
+            try:
+                meta = read_meta(out)
+            except TrainfastError:
+                meta = {}
+            if meta.get("build") == identity:
+                log(f"{out}: up to date ({meta['count']} images); nothing to do")
+                _remove(_build_dir(out))
+                return Pack(out)
+            raise TrainfastError(f"{out}: a different pack is already there; pass --overwrite to replace it")
+        if not overwrite:
+            raise TrainfastError(f"{out}: exists and is not a pack; refusing to touch it (pass --overwrite to replace it)")
+
+    build = _build_dir(out)
+    _prepare_build_dir(build, identity, log)
+    started = time.perf_counter()
+    chunks = [order[i: i + cfg.chunk] for i in range(0, len(order), cfg.chunk)]
+    try:
+        _run_chunks(src, chunks, cfg, build, progress)
+        pack_dir = _assemble(src, chunks, cfg, build, identity)
+    except TrainfastError:
+        if cfg.on_error == "fail":
+            _remove(build)
+        raise
+    _install(pack_dir, out)
+    _remove(build)
+    pk = Pack(out)
+    _summarise(pk, src, time.perf_counter() - started, log)
+    return pk
+
+
+def _checked(cfg: PackConfig) -> PackConfig:
+    try:
+        h, w = (int(v) for v in cfg.size)
+    except (TypeError, ValueError):
+        raise TrainfastError(f"size must be (height, width), got {cfg.size!r}") from None
+    if h < 1 or w < 1 or h > 8192 or w > 8192:
+        raise TrainfastError(f"size {h}×{w} is out of range (1 to 8192 per side)")
+    if cfg.resize not in _decode.RESIZE_MODES:
+        raise TrainfastError(f"resize must be one of {', '.join(_decode.RESIZE_MODES)}, not {cfg.resize!r}")
+    if cfg.channels not in (1, 3):
+        raise TrainfastError(f"channels must be 1 or 3, not {cfg.channels}")
+    encoding = cfg.encoding
+    if encoding == "auto":
+        encoding = "jpeg" if h * w > _JPEG_AUTO_PIXELS else "raw"
+    if encoding not in ENCODINGS:
+        raise TrainfastError(f"encoding must be raw, jpeg or auto, not {cfg.encoding!r}")
+    if not 1 <= cfg.quality <= 100:
+        raise TrainfastError(f"quality must be 1 to 100, not {cfg.quality}")
+    if cfg.on_error not in ("skip", "fail"):
+        raise TrainfastError(f"on_error must be skip or fail, not {cfg.on_error!r}")
+    if cfg.workers < 0 or cfg.limit < 0 or cfg.chunk < 1:
+        raise TrainfastError("workers and limit must be ≥ 0, chunk ≥ 1")
+    return replace(cfg, size=(h, w), encoding=encoding, workers=cfg.workers or usable_cores())
+
+
+def _options_record(cfg: PackConfig) -> dict:
+    """The options that change the pack's bytes (workers and chunking do not)."""
+    d = cfg.to_dict()
+    for k in ("workers", "on_error", "chunk"):
+        d.pop(k)
+    d["size"] = list(d["size"])
+    if cfg.encoding == "raw":
+        d.pop("quality")
+    return d
+
+
+def _build_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}.trainfast-build"
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _prepare_build_dir(build: Path, identity: dict, log) -> None:
+    """Reuse a build folder from an interrupted run of the same build, else start afresh."""
+    marker = build / "build.json"
+    if build.exists():
+        try:
+            same = json.loads(marker.read_text(encoding="utf-8")) == identity
+        except (OSError, ValueError):
+            same = False
+        if same:
+            done = len(list((build / "chunks").glob("*.json")))
+            log(f"resuming an interrupted build: {done} chunk(s) already done")
+            return
+        _remove(build)
+    try:
+        (build / "chunks").mkdir(parents=True)
+    except OSError as e:
+        raise TrainfastError(f"{build.parent}: cannot write here ({e.strerror or e})") from None
+    _write_atomic(marker, json.dumps(identity, indent=1).encode())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+# --- chunks: the parallel part ------------------------------------------------------------
+
+def _run_chunks(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Path, progress: bool) -> None:
+    from tqdm import tqdm
+
+    chunk_dir = build / "chunks"
+    todo = [i for i in range(len(chunks)) if not (chunk_dir / f"{i:06d}.json").exists()]
+    total = sum(len(c) for c in chunks)
+    left = sum(len(chunks[i]) for i in todo)
+    tqdm.monitor_interval = 0  # no monitor thread alive when the pool forks
+    bar = tqdm(total=total, initial=total - left, unit="img", desc="packing", disable=not progress,
+               dynamic_ncols=True, smoothing=0.1)
+    tasks = (_task(src, i, chunks[i], cfg, chunk_dir) for i in todo)
+    try:
+        if cfg.workers == 1 or len(todo) <= 1:
+            for task in tasks:
+                _after_chunk(_build_chunk(task), cfg, bar)
+            return
+        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=_mp_context()) as pool:
+            pending = set()
+            for task in tasks:  # keep a bounded number in flight: array chunks carry their pixels
+                pending.add(pool.submit(_build_chunk, task))
+                if len(pending) >= 2 * cfg.workers:
+                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        _after_chunk(f.result(), cfg, bar, pool)
+            for f in pending:
+                _after_chunk(f.result(), cfg, bar, pool)
+    finally:
+        bar.close()
+
+
+def _mp_context():
+    """fork on Linux, spawn elsewhere.
+
+    NOTE: spawn re-imports the caller's __main__ in every worker, which re-runs a user's
+    script that lacks an `if __name__ == "__main__"` guard. Our workers use only numpy and
+    Pillow, so fork is safe for them where it exists.
+    """
+    return get_context("fork" if sys.platform == "linux" else "spawn")
+
+
+def _after_chunk(result: dict, cfg: PackConfig, bar, pool=None) -> None:
+    if result["errors"] and cfg.on_error == "fail":
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        key, reason = result["errors"][0]
+        raise TrainfastError(f"{key}: {reason} (--on-error fail: nothing was written)")
+    bar.update(result["n"])
+
+
+def _task(src: Source, index: int, positions: np.ndarray, cfg: PackConfig, chunk_dir: Path) -> dict:
+    task = {"index": index, "positions": positions, "keys": [src.keys[p] for p in positions],
+            "cfg": cfg, "dir": str(chunk_dir)}
+    if src.files is not None:
+        task["files"] = [src.files[p] for p in positions]
+    else:
+        task["array"] = src.array[positions]
+    return task
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise _decode.DecodeError("file not found") from None
+    except IsADirectoryError:
+        raise _decode.DecodeError("unreadable: it is a folder, not a file") from None
+    except PermissionError:
+        raise _decode.DecodeError("unreadable: permission denied") from None
+    except OSError as e:
+        raise _decode.DecodeError(f"unreadable ({e.strerror or e})") from None
+
+
+def _build_chunk(task: dict) -> dict:
+    """Decode one chunk and write it (runs in a worker process; numpy and Pillow only)."""
+    cfg: PackConfig = task["cfg"]
+    h, w = cfg.size
+    c = cfg.channels
+    n = len(task["positions"])
+    images = np.empty((n, h, w, c), np.uint8)
+    ok, errors, blobs = [], [], []
+    for j in range(n):
+        try:
+            if "files" in task:
+                img = _decode.decode_file(_read(task["files"][j]), cfg.size, cfg.resize, c)
+            else:
+                img = _decode.decode_array(task["array"][j], cfg.size, cfg.resize, c)
+        except _decode.DecodeError as e:
+            errors.append((task["keys"][j], str(e)))
+            if cfg.on_error == "fail":
+                break
+            continue
+        images[len(ok)] = img
+        ok.append(int(task["positions"][j]))
+        if cfg.encoding == "jpeg":
+            blobs.append(_decode.encode_jpeg(img, cfg.quality))
+    images = images[: len(ok)]
+    pix = images.reshape(-1, c).astype(np.float64)
+    result = {"n": n, "ok": ok, "errors": errors,
+              "sum": pix.sum(0).tolist(), "sumsq": np.square(pix).sum(0).tolist()}
+    if errors and cfg.on_error == "fail":
+        return result  # nothing is written: the build stops
+    base = Path(task["dir"]) / f"{task['index']:06d}"
+    if cfg.encoding == "raw":
+        _save_npy_atomic(base.with_suffix(".images.npy"), images)
+    else:
+        _save_npy_atomic(base.with_suffix(".jpeg.npy"), np.frombuffer(b"".join(blobs), np.uint8))
+        result["lengths"] = [len(b) for b in blobs]
+    _write_atomic(base.with_suffix(".json"), json.dumps(result).encode())  # marks the chunk done
+    return result
+
+
+# --- assembly: chunks → one pack ----------------------------------------------------------
+
+def _assemble(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Path, identity: dict) -> Path:
+    chunk_dir = build / "chunks"
+    results = [json.loads((chunk_dir / f"{i:06d}.json").read_text(encoding="utf-8")) for i in range(len(chunks))]
+    positions = [p for r in results for p in r["ok"]]
+    skipped = [{"input": k, "reason": why} for k, why in src.skipped]
+    skipped += [{"input": k, "reason": why} for r in results for k, why in r["errors"]]
+    if not positions:
+        first = f" (first: {skipped[0]['input']}: {skipped[0]['reason']})" if skipped else ""
+        raise TrainfastError(f"{src.origin}: none of the {len(src) + len(src.skipped)} inputs could be packed{first}")
+
+    dest = build / "pack"
+    _remove(dest)
+    dest.mkdir()
+    n = len(positions)
+    h, w = cfg.size
+    c = cfg.channels
+    if cfg.encoding == "raw":
+        images = np.lib.format.open_memmap(dest / "images.npy", mode="w+", dtype=np.uint8, shape=(n, h, w, c))
+        at = 0
+        for i, r in enumerate(results):
+            part = np.load(chunk_dir / f"{i:06d}.images.npy", allow_pickle=False)
+            images[at: at + len(part)] = part
+            at += len(part)
+        images.flush()
+        del images
+    else:
+        lengths = np.asarray([x for r in results for x in r["lengths"]], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        blob = np.lib.format.open_memmap(dest / "jpeg.npy", mode="w+", dtype=np.uint8, shape=(int(offsets[-1]),))
+        at = 0
+        for i in range(len(results)):
+            part = np.load(chunk_dir / f"{i:06d}.jpeg.npy", allow_pickle=False)
+            blob[at: at + len(part)] = part
+            at += len(part)
+        blob.flush()
+        del blob
+        np.save(dest / "offsets.npy", offsets, allow_pickle=False)
+    np.save(dest / "labels.npy", np.ascontiguousarray(src.labels[positions]), allow_pickle=False)
+
+    count = n * h * w
+    mean = np.sum([r["sum"] for r in results], axis=0) / count
+    var = np.sum([r["sumsq"] for r in results], axis=0) / count - mean ** 2
+    std = np.sqrt(np.maximum(var, 1e-12))
+    meta = {
+        "format": "trainfast-pack",
+        "schema": SCHEMA_VERSION,
+        "count": n,
+        "shape": [h, w, c],
+        "layout": "NHWC",
+        "encoding": cfg.encoding,
+        "label_kind": "sequence" if src.labels.ndim == 2 else "class",
+        "classes": src.classes,
+        "alphabet": src.alphabet,
+        "sequence_length": int(src.labels.shape[1]) if src.labels.ndim == 2 else None,
+        "mean": [round(float(v) / 255, 6) for v in mean],
+        "std": [round(float(v) / 255, 6) for v in std],
+        "source": {"kind": src.kind, "path": src.origin, "inputs": len(src) + len(src.skipped)},
+        "skipped": len(skipped),
+        "build": identity,
+    }
+    _write_atomic(dest / "inputs.json", json.dumps([src.keys[p] for p in positions]).encode())
+    _write_atomic(dest / "skipped.json", json.dumps(skipped, indent=1).encode())
+    _write_atomic(dest / "meta.json", json.dumps(meta, indent=1).encode())  # last: it makes this a pack
+    return dest
+
+
+def _install(pack_dir: Path, out: Path) -> None:
+    """Move the finished pack to `out`; an old pack there is removed only after the move."""
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.parent / f".{out.name}.trainfast-old"
+        _remove(old)
+        os.replace(out, old)
+    os.replace(pack_dir, out)
+    if old is not None:
+        _remove(old)
+
+
+def _summarise(pk: Pack, src: Source, seconds: float, log) -> None:
+    h, w, c = pk.shape
+    size = sum(f.stat().st_size for f in pk.path.iterdir())
+    log(f"packed {len(pk)} images ({h}×{w}×{c} {pk.encoding}, {size / 1e6:.1f} MB) into {pk.path} "
+        f"in {seconds:.1f} s ({len(pk) / max(seconds, 1e-9):.0f} images/s)")
+    skipped = pk.skipped
+    if skipped:
+        reasons = Counter(s["reason"].split(" (")[0] for s in skipped)
+        log(f"skipped {len(skipped)} input(s): " + "; ".join(f"{k}: {v}" for k, v in reasons.most_common(6)))
+        log(f"  the list with each input and reason: {pk.path / 'skipped.json'}")

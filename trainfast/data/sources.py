@@ -1,0 +1,288 @@
+"""Where images come from: an image folder, a CSV, numpy arrays, or a CIFAR tarball.
+
+A Source lists the inputs and their labels; it decodes nothing (the pack workers do). Inputs
+whose row or label is already wrong here are recorded in `skipped` with the reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import os
+import pickle
+import tarfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from trainfast.errors import TrainfastError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+DEFAULT_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+LABEL_KINDS = ("auto", "class", "sequence")
+
+
+@dataclass
+class Source:
+    """The inputs of a pack, before decoding.
+
+    Exactly one of `files` (paths to read) and `array` (N, H, W[, C] images) is set.
+    `labels` is int64 (N,) for classes or (N, L) for sequences over `alphabet`.
+    """
+
+    kind: str
+    origin: str
+    keys: list[str]
+    labels: np.ndarray
+    classes: list[str] | None = None
+    alphabet: str | None = None
+    files: list[str] | None = None
+    array: np.ndarray | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def fingerprint(self) -> str:
+        """sha1 of what the pack is made from: the input names and labels (and array bytes).
+
+        NOTE: a file rewritten in place under the same name is not noticed; use --overwrite.
+        """
+        h = hashlib.sha1()
+        h.update(f"{self.kind}\0{len(self.keys)}\0".encode())
+        h.update("\0".join(self.keys).encode("utf-8", "surrogateescape"))
+        h.update(np.ascontiguousarray(self.labels).tobytes())
+        h.update("\0".join(self.classes or []).encode() + (self.alphabet or "").encode())
+        if self.array is not None:
+            h.update(memoryview(np.ascontiguousarray(self.array)).cast("B"))
+        return h.hexdigest()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def open_source(path, *, path_column="path", label_column="label", label_kind="auto",
+                alphabet=DEFAULT_ALPHABET, split="train") -> Source:
+    """Pick the source type from what `path` is: folder, .csv, .npz or a CIFAR tarball."""
+    p = Path(path)
+    if not p.exists():
+        raise TrainfastError(f"{path}: no such file or folder")
+    if p.is_dir():
+        return from_folder(p)
+    name = p.name.lower()
+    if name.endswith(".csv"):
+        return from_csv(p, path_column=path_column, label_column=label_column,
+                        label_kind=label_kind, alphabet=alphabet)
+    if name.endswith(".npz"):
+        return from_npz(p)
+    if name.endswith((".tar.gz", ".tgz", ".tar")):
+        return from_cifar(p, split=split)
+    raise TrainfastError(f"{path}: not a source trainfast knows (an image folder, a .csv, a .npz, "
+                         "or a CIFAR-10/100 python tarball)")
+
+
+def from_folder(root) -> Source:
+    """One subfolder per class, as Keras's image_dataset_from_directory reads it.
+
+    Class names are the subfolder names, sorted; images are found recursively inside them.
+    """
+    root = Path(root)
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    keys, labels = [], []
+    for index, name in enumerate(classes):
+        for dirpath, dirnames, filenames in os.walk(root / name):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for fn in sorted(filenames):
+                if fn.lower().endswith(IMAGE_EXTENSIONS) and not fn.startswith("."):
+                    keys.append(os.path.relpath(os.path.join(dirpath, fn), root))
+                    labels.append(index)
+            # A folder named like an image (x.jpg/) is an unreadable input, not a subfolder.
+            for d in list(dirnames):
+                if d.lower().endswith(IMAGE_EXTENSIONS):
+                    keys.append(os.path.relpath(os.path.join(dirpath, d), root))
+                    labels.append(index)
+                    dirnames.remove(d)
+    if not keys:
+        loose = [f for f in os.listdir(root) if f.lower().endswith(IMAGE_EXTENSIONS)]
+        hint = (" (images must sit in one subfolder per class, e.g. root/cat/1.jpg)" if loose else "")
+        raise TrainfastError(f"{root}: no images found{hint}")
+    return Source("folder", str(root), keys, np.asarray(labels, np.int64), classes=classes,
+                  files=[str(root / k) for k in keys])
+
+
+def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="auto",
+             alphabet=DEFAULT_ALPHABET) -> Source:
+    """A CSV with a path column and a label column; relative paths resolve against its folder.
+
+    label_kind: 'class' (names, sorted), 'sequence' (fixed-length strings over `alphabet`,
+    e.g. plates), or 'auto': sequence when ≥ 80% of labels are equal-length strings over the
+    alphabet and most are unique, else class.
+    """
+    csv_path = Path(csv_path)
+    if label_kind not in LABEL_KINDS:
+        raise TrainfastError(f"label kind {label_kind!r} is not one of {', '.join(LABEL_KINDS)}")
+    try:
+        text = csv_path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TrainfastError(f"{csv_path}: cannot read ({e})") from None
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader, None)
+    if not header:
+        raise TrainfastError(f"{csv_path}: empty CSV (no header row)")
+    header = [h.strip() for h in header]
+    pcol, lcol = path_column, label_column
+    if (pcol not in header or lcol not in header) and len(header) == 2 \
+            and (pcol, lcol) == ("path", "label"):
+        pcol, lcol = header  # a two-column CSV with other names: path first, label second
+    for col, what in ((pcol, "--path-column"), (lcol, "--label-column")):
+        if col not in header:
+            raise TrainfastError(f"{csv_path}: no column {col!r} ({what}); columns are {', '.join(header)}")
+    pi, li = header.index(pcol), header.index(lcol)
+
+    base = csv_path.parent
+    rows, skipped = [], []
+    for line_no, row in enumerate(reader, start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        where = f"{csv_path.name}:{line_no}"
+        if len(row) != len(header):
+            skipped.append((where, f"malformed row: {len(row)} fields, header has {len(header)}"))
+            continue
+        path, label = row[pi].strip(), row[li].strip()
+        if not path or not label:
+            skipped.append((where, "empty path" if not path else "empty label"))
+            continue
+        rows.append((path, label, where))
+    if not rows:
+        raise TrainfastError(f"{csv_path}: no usable rows" + (f" ({skipped[0][0]}: {skipped[0][1]})" if skipped else ""))
+
+    texts = [r[1] for r in rows]
+    if label_kind == "auto":
+        label_kind = "sequence" if _looks_like_sequences(texts, alphabet) else "class"
+    keys, files, labels = [], [], []
+    classes = sorted(set(texts)) if label_kind == "class" else None
+    if label_kind == "class":
+        index = {c: i for i, c in enumerate(classes)}
+        for path, label, _ in rows:
+            keys.append(path)
+            files.append(str(base / path))
+            labels.append(index[label])
+        label_array = np.asarray(labels, np.int64)
+    else:
+        length = Counter(len(t) for t in texts).most_common(1)[0][0]
+        char_index = {c: i for i, c in enumerate(alphabet)}
+        for path, label, where in rows:
+            if len(label) != length:
+                skipped.append((f"{where} {path}", f"label {label!r} has {len(label)} characters, expected {length}"))
+                continue
+            bad = sorted(set(label) - set(alphabet))
+            if bad:
+                skipped.append((f"{where} {path}", f"label {label!r} has {''.join(bad)!r}, not in the alphabet {alphabet!r}"))
+                continue
+            keys.append(path)
+            files.append(str(base / path))
+            labels.append([char_index[c] for c in label])
+        label_array = np.asarray(labels, np.int64).reshape(len(labels), length)
+    if not keys:
+        raise TrainfastError(f"{csv_path}: every row was rejected (first: {skipped[0][0]}: {skipped[0][1]})")
+    return Source("csv", str(csv_path), keys, label_array, classes=classes,
+                  alphabet=alphabet if label_kind == "sequence" else None, files=files, skipped=skipped)
+
+
+def _looks_like_sequences(texts: list[str], alphabet: str) -> bool:
+    length, count = Counter(len(t) for t in texts).most_common(1)[0]
+    chars = set(alphabet)
+    fitting = sum(1 for t in texts if len(t) == length and set(t) <= chars)
+    return length >= 2 and fitting >= 0.8 * len(texts) and len(set(texts)) >= 0.5 * len(texts)
+
+
+def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> Source:
+    """In-memory images (N, H, W[, C]) uint8 (or float in [0, 1]) and labels (N,) or (N, L)."""
+    images = np.asarray(images)
+    labels = np.asarray(labels)
+    if images.ndim not in (3, 4):
+        raise TrainfastError(f"{name}: images must be (N, H, W) or (N, H, W, C), got shape {images.shape}")
+    if len(images) == 0:
+        raise TrainfastError(f"{name}: no images (empty array)")
+    if len(labels) != len(images):
+        raise TrainfastError(f"{name}: {len(images)} images but {len(labels)} labels")
+    if labels.dtype.kind not in "iu" or labels.ndim not in (1, 2):
+        raise TrainfastError(f"{name}: labels must be integers of shape (N,) or (N, L), got {labels.dtype} {labels.shape}")
+    if labels.ndim == 2 and alphabet is None:
+        raise TrainfastError(f"{name}: sequence labels (N, L) need an alphabet")
+    if classes is None and labels.ndim == 1:
+        classes = [str(i) for i in range(int(labels.max()) + 1)]
+    keys = [f"{name}[{i}]" for i in range(len(images))]
+    return Source("arrays", name, keys, labels.astype(np.int64), classes=list(classes) if classes else None,
+                  alphabet=alphabet, array=images)
+
+
+def from_npz(path) -> Source:
+    """A .npz holding `images` (or `x`) and `labels` (or `y`); optional `classes` (strings)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            names = set(z.files)
+            ik = next((k for k in ("images", "x") if k in names), None)
+            lk = next((k for k in ("labels", "y") if k in names), None)
+            if ik is None or lk is None:
+                raise TrainfastError(f"{path}: needs arrays named images (or x) and labels (or y); has {', '.join(sorted(names))}")
+            classes = [str(c) for c in z["classes"]] if "classes" in names else None
+            return from_arrays(z[ik], z[lk], classes=classes, name=str(path))
+    except (OSError, ValueError) as e:
+        raise TrainfastError(f"{path}: not a readable .npz ({e})") from None
+
+
+class _ArraysOnlyUnpickler(pickle.Unpickler):
+    """Unpickles plain data and numpy arrays, nothing else: no code runs from the file.
+
+    NOTE: CIFAR's "python version" is pickle. These are the only globals its batches need.
+    """
+
+    _ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only plain data and arrays are allowed")
+
+
+def _load_batch(tar: tarfile.TarFile, member: tarfile.TarInfo) -> dict:
+    data = tar.extractfile(member).read()
+    obj = _ArraysOnlyUnpickler(io.BytesIO(data), encoding="latin1").load()
+    if not isinstance(obj, dict):
+        raise pickle.UnpicklingError("a CIFAR batch must be a dict")
+    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in obj.items()}
+
+
+def from_cifar(path, split="train") -> Source:
+    """CIFAR-10 or CIFAR-100 "python version" tarball, as its authors distribute it."""
+    if split not in ("train", "test"):
+        raise TrainfastError(f"--split must be train or test, not {split!r}")
+    try:
+        with tarfile.open(path) as tar:
+            members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+            if "batches.meta" in members:  # CIFAR-10
+                names = ["test_batch"] if split == "test" else [f"data_batch_{i}" for i in range(1, 6)]
+                meta, label_key, names_key = "batches.meta", "labels", "label_names"
+            elif "meta" in members and "train" in members:  # CIFAR-100, fine labels
+                names, meta, label_key, names_key = [split], "meta", "fine_labels", "fine_label_names"
+            else:
+                raise TrainfastError(f"{path}: not a CIFAR-10/100 python tarball (no batches.meta or meta)")
+            missing = [n for n in names if n not in members]
+            if missing:
+                raise TrainfastError(f"{path}: CIFAR tarball lacks {', '.join(missing)}")
+            classes = [c.decode() if isinstance(c, bytes) else str(c) for c in _load_batch(tar, members[meta])[names_key]]
+            images, labels = [], []
+            for n in names:
+                batch = _load_batch(tar, members[n])
+                data = np.asarray(batch["data"], dtype=np.uint8)
+                images.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+                labels.append(np.asarray(batch[label_key], dtype=np.int64))
+    except (tarfile.TarError, OSError, EOFError, pickle.UnpicklingError, KeyError, ValueError) as e:
+        raise TrainfastError(f"{path}: cannot read the CIFAR tarball ({type(e).__name__}: {e})") from None
+    src = from_arrays(np.concatenate(images), np.concatenate(labels), classes=classes, name=f"{Path(path).name}:{split}")
+    src.kind, src.origin = "cifar", str(path)
+    return src

@@ -131,3 +131,10 @@ def test_cuda_batches_are_on_device_and_match_cpu(pack):
     gpu = [x for x, _ in Loader(pack, batch_size=16, seed=2, device="cuda")]
     assert gpu[0].device.type == "cuda"
     assert all(torch.allclose(c, g.cpu(), atol=1e-5) for c, g in zip(cpu, gpu))
+
+
+def test_colour_path_normalises_like_the_plain_path(pack):
+    # brightness 1e-9 switches the colour path on but changes nothing measurable
+    a = next(iter(Loader(pack, batch_size=16, seed=3, augment=Augment(brightness=1e-9))))[0]
+    b = next(iter(Loader(pack, batch_size=16, seed=3)))[0]
+    assert torch.allclose(a, b, atol=1e-5)

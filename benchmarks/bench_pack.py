@@ -1,0 +1,71 @@
+"""Pack build rate vs the per-image generator users write, on the same JPEG files.
+
+The users' pattern (a keras.utils.Sequence): for every image of every batch, every epoch,
+skimage.io.imread + skimage.transform.resize. trainfast pack decodes each image once, at
+reduced size when JPEG DCT scaling allows, in parallel processes. Medians of --runs runs.
+
+    python benchmarks/bench_pack.py            # makes bench-data/photos on first use
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from photos import make_photos  # noqa: E402
+
+import trainfast  # noqa: E402
+
+
+def sequence_style(files: list[str], size) -> float:
+    """images/s of imread + resize per image, the way the users' Sequence does it."""
+    import numpy as np
+    from skimage.io import imread
+    from skimage.transform import resize
+
+    t = time.perf_counter()
+    batch = [resize(imread(f), size) for f in files]
+    np.array(batch)
+    return len(files) / (time.perf_counter() - t)
+
+
+def pack_rate(root: Path, size, workers: int) -> float:
+    out = Path(tempfile.mkdtemp(prefix="tf-bench-")) / "p"
+    t = time.perf_counter()
+    pk = trainfast.pack(root, out, size=size, workers=workers, progress=False)
+    rate = len(pk) / (time.perf_counter() - t)
+    shutil.rmtree(out.parent)
+    return rate
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default="bench-data/photos")
+    p.add_argument("--count", type=int, default=2000)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--sequence-images", type=int, default=300, help="images timed for the slow generator")
+    a = p.parse_args()
+    root = make_photos(a.data, a.count)
+    size = (64, 128)
+    files = sorted(str(f) for f in root.glob("*/*.jpg"))
+    seq = statistics.median(sequence_style(files[: a.sequence_images], size) for _ in range(a.runs))
+    one = statistics.median(pack_rate(root, size, 1) for _ in range(a.runs))
+    from trainfast.hardware import usable_cores
+    cores = usable_cores()
+    allc = statistics.median(pack_rate(root, size, cores) for _ in range(a.runs))
+    print(f"{len(files)} JPEGs → 64×128, medians of {a.runs} runs")
+    print(f"{'method':48s} {'images/s':>9s} {'ratio':>7s}")
+    print(f"{'Sequence-style skimage imread + resize (1 core)':48s} {seq:9.0f} {1:7.2f}")
+    print(f"{'trainfast pack, 1 worker':48s} {one:9.0f} {one / seq:7.2f}")
+    print(f"{f'trainfast pack, {cores} workers':48s} {allc:9.0f} {allc / seq:7.2f}")
+    print(f"scaling {cores} workers vs 1: {allc / one:.2f}×")
+
+
+if __name__ == "__main__":
+    main()

@@ -34,3 +34,10 @@ def png_bomb(path, width=40000, height=40000):
 @pytest.fixture
 def image_folder(tmp_path):
     return write_images(tmp_path / "photos")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_in_tmp(tmp_path_factory):
+    """Measured peaks and tune choices go to a per-session cache, not the user's home."""
+    os.environ["TRAINFAST_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield

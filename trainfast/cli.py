@@ -79,6 +79,42 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="describe a pack", description="Print what a pack holds.")
     info.add_argument("pack", metavar="PACK")
+
+    dr = sub.add_parser(
+        "doctor", help="find where the training time goes, and what to do",
+        description="Time real training steps of MODEL on DATA, stage by stage (data wait, host→device copy, "
+                    "forward, backward, optimizer), compare with what this machine can do, give a verdict "
+                    "(input-, compute- or overhead-bound), and measure the candidate fixes on the spot.",
+        epilog="MODEL: a built-in name (see `trainfast models`) or path/to/file.py:function_or_class returning "
+               "an nn.Module. DATA: a pack, or an image folder / CSV, timed as the per-image pipeline users "
+               "write. Example: trainfast doctor --model plate_cnn --data plates/labels.csv --batch-size 128")
+    dr.add_argument("--model", required=True, help="built-in name or file.py:function")
+    dr.add_argument("--data", required=True, help="a pack, an image folder or a CSV")
+    dr.add_argument("--batch-size", type=int, default=64, help="images per step (default: 64)")
+    dr.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (default: 20)")
+    dr.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    dr.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="settings to diagnose (default: fp32, PyTorch's default)")
+    dr.add_argument("--channels-last", action="store_true", help="diagnose with channels_last memory")
+    dr.add_argument("--no-fixes", action="store_true", help="skip measuring the candidate fixes")
+    dr.add_argument("--remeasure", action="store_true", help="measure this machine's peaks again")
+    dr.add_argument("--json", metavar="FILE", help="also write the report as JSON (- for stdout)")
+    dr.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with charts")
+
+    md = sub.add_parser("models", help="list the built-in models",
+                        description="List the registered models with input and output shapes, parameters "
+                                    "and forward FLOPs per image (counted with torch.utils.flop_counter).")
+    md.add_argument("--names", action="store_true", help="names only")
+
+    mp = sub.add_parser(
+        "make-plates", help="generate synthetic license-plate photos",
+        description="Write OUT/images/*.jpg and OUT/labels.csv (path,plate): photo-like plates with 8 "
+                    "characters from 0-9A-Z in several fonts, backgrounds, perspective, blur and noise. "
+                    "Deterministic for a seed.")
+    mp.add_argument("out", metavar="OUT")
+    mp.add_argument("--count", type=int, default=1000, help="number of photos (default: 1000)")
+    mp.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    mp.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")
     return p
 
 
@@ -99,6 +135,62 @@ def _cmd_info(a) -> ExitStatus:
     print(pk)
     print(f"  mean {pk.mean}  std {pk.std}")
     print(f"  source: {pk.meta['source']['kind']} {pk.meta['source']['path']}; skipped {len(pk.skipped)}")
+    return ExitStatus.OK
+
+
+def _cmd_doctor(a) -> ExitStatus:
+    import json
+
+    from trainfast.config import Speed
+    from trainfast.doctor import doctor
+
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    report = doctor(a.model, a.data, batch_size=a.batch_size, steps=a.steps, device=a.device,
+                    speed=Speed(precision=a.precision, channels_last=a.channels_last),
+                    try_fixes=not a.no_fixes, remeasure=a.remeasure, log=log)
+    if a.json == "-":
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.text())
+        if a.json:
+            _write(a.json, json.dumps(report.to_dict(), indent=1))
+    if a.html:
+        _write(a.html, report.html())
+        log(f"HTML report: {a.html}")
+    return ExitStatus.OK
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise TrainfastError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def _cmd_models(a) -> ExitStatus:
+    from trainfast import models
+    from trainfast.doctor.cost import layer_costs
+
+    if a.names:
+        print("\n".join(models.list()))
+        return ExitStatus.OK
+    print(f"{'name':20s} {'input':>11s} {'output':>8s} {'params':>12s} {'fwd FLOPs':>10s}  summary")
+    for name in models.list():
+        e = models.entry(name)
+        cost = layer_costs(models.create(name), e.input_shape, batch=1)
+        print(f"{name:20s} {'×'.join(map(str, e.input_shape)):>11s} {'×'.join(map(str, e.output_shape)):>8s} "
+              f"{cost.params:>12,} {cost.forward_flops / 1e6:>8.1f} M  {e.summary}")
+    return ExitStatus.OK
+
+
+def _cmd_make_plates(a) -> ExitStatus:
+    from trainfast.datasets.plates import make_plates
+
+    if a.count < 1:
+        raise TrainfastError(f"--count must be ≥ 1, not {a.count}")
+    out = make_plates(a.out, a.count, a.seed, a.workers, progress=True)
+    print(f"wrote {a.count} plate photos and {out / 'labels.csv'}", file=sys.stderr)
     return ExitStatus.OK
 
 

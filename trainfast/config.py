@@ -65,3 +65,31 @@ class Augment:
     @property
     def geometric(self) -> bool:
         return bool(self.crop_pad or self.translate or self.flip)
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class Speed:
+    """The speed settings that `trainfast tune` measures and `trainfast train` uses."""
+
+    precision: str = "fp32"
+    """fp32; bf16 autocast (CPUs with AVX512-BF16/AMX, CUDA ≥ sm80); fp16 autocast + GradScaler (CUDA)."""
+    channels_last: bool = False
+    """Model and batches in channels_last (NHWC) memory, the layout fast conv kernels want."""
+    compile: bool = False
+    """torch.compile the model (its compile time is paid once, at the start)."""
+    batch_size: int = 128
+    """Images per step (per process under torchrun)."""
+    threads: int = 0
+    """Intra-op CPU threads; 0 leaves torch's default."""
+
+    def label(self) -> str:
+        parts = [self.precision] + (["channels_last"] if self.channels_last else []) \
+            + (["compile"] if self.compile else []) + [f"batch {self.batch_size}"] \
+            + ([f"{self.threads} threads"] if self.threads else [])
+        return " + ".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

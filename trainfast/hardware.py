@@ -99,3 +99,128 @@ def resolve_device(name: str | None):
     elif device.type != "cpu":
         raise ValueError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
     return device
+
+
+# --- measured peaks ---------------------------------------------------------------------------
+
+def _cache_dir():
+    from pathlib import Path
+
+    root = os.environ.get("TRAINFAST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "trainfast")
+    return Path(root)
+
+
+def machine_key(device) -> str:
+    """What the measured peaks depend on: the processor or GPU, the torch build, the threads."""
+    import torch
+
+    if device.type == "cuda":
+        what = torch.cuda.get_device_name(device)
+    else:
+        what = f"{cpu_model()} x{torch.get_num_threads()}"
+    return f"{device.type}|{what}|torch {torch.__version__}"
+
+
+def _time(fn, device, min_seconds: float = 0.3) -> float:
+    """Median seconds per call of fn(), after a warm-up, over at least min_seconds."""
+    import statistics
+    import time
+
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_seconds or len(times) < 3:
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_peaks(device) -> dict:
+    """Dense matmul FLOP/s per dtype and memory-copy bytes/s of `device`, measured now.
+
+    Returns {"matmul_flops": {"float32": …, "bfloat16": …, "float16": …}, "copy_bytes": …}
+    with dtypes the device cannot run fast left out (fp16 on CPU).
+    """
+    import torch
+
+    n = 4096 if device.type == "cuda" else 1536
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        dtypes.remove(torch.bfloat16)
+    flops = {}
+    for dt in dtypes:
+        a = torch.randn(n, n, device=device).to(dt)
+        b = torch.randn(n, n, device=device).to(dt)
+        flops[str(dt).replace("torch.", "")] = 2 * n ** 3 / _time(lambda: a @ b, device)
+    src = torch.empty(64 << 20, dtype=torch.uint8, device=device).fill_(1)  # 64 MiB, beyond the caches
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / _time(lambda: dst.copy_(src), device)  # bytes read + written
+    return {"matmul_flops": flops, "copy_bytes": copy}
+
+
+def peaks(device, remeasure: bool = False) -> dict:
+    """measure_peaks(device), cached per machine_key in ~/.cache/trainfast/peaks.json."""
+    import json
+
+    path = _cache_dir() / "peaks.json"
+    key = machine_key(device)
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if not remeasure and key in cache:
+        return {**cache[key], "cached": True}
+    result = measure_peaks(device)
+    cache[key] = result
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home still gets the numbers, just not cached
+    return {**result, "cached": False}
+
+
+def describe(device) -> dict:
+    """The system section of the doctor's report: device in use, devices present, CPU, threads."""
+    import torch
+
+    info = {
+        "device": str(device),
+        "cpu": cpu_model(),
+        "physical_cores": physical_cores(),
+        "usable_cores": usable_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "isa": isa_features(),
+        "torch": torch.__version__,
+        "torch_cuda_build": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": [],
+        "nvidia_gpu_present": _nvidia_present(),
+    }
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            cc = (p.major, p.minor)
+            tensor_cores = ["float16"] + (["bfloat16"] if cc >= (8, 0) else []) + (["tf32"] if cc >= (8, 0) else []) \
+                + (["float8"] if cc >= (8, 9) else [])
+            info["gpus"].append({"name": p.name, "compute_capability": f"{cc[0]}.{cc[1]}",
+                                 "memory_gb": round(p.total_memory / 1e9, 1),
+                                 "tensor_core_dtypes": tensor_cores if cc >= (7, 0) else []})
+    return info
+
+
+def _nvidia_present() -> bool:
+    """An NVIDIA GPU in this machine, whether or not this torch build can use it."""
+    return os.path.exists("/proc/driver/nvidia/gpus") or os.path.exists("/dev/nvidia0")

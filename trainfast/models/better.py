@@ -72,11 +72,11 @@ class CifarResNet(nn.Module):
 
 
 class Classifier512Net(nn.Module):
-    """512×512 classifier with strided stages 32→64→128→256 and global average pooling:
+    """512×512 classifier with strided stages 16→32→64→128 and global average pooling:
     the 31.5M-parameter Dense after Flatten is gone, and so are most FLOPs.
     """
 
-    def __init__(self, classes: int = 10, width: int = 32):
+    def __init__(self, classes: int = 10, width: int = 16):
         super().__init__()
         w = width
         self.net = nn.Sequential(

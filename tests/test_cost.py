@@ -1,0 +1,51 @@
+import torch
+import torch.nn as nn
+
+from trainfast.doctor.cost import layer_costs
+
+
+def test_conv_linear_pool_counts_by_hand():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 5 * 5, 10))
+    c = layer_costs(net, (3, 12, 12))
+    by = {l.name: l for l in c.layers}
+    # conv: 10×10 outputs × 8 filters × (3·3·3) multiply-adds × 2
+    assert by["0"].params == 3 * 3 * 3 * 8 + 8
+    assert by["0"].flops == 2 * 10 * 10 * 8 * 27
+    assert by["0"].output_shape == (8, 10, 10)
+    # max-pool 2×2: one FLOP per window element, 8×5×5 outputs
+    assert by["2"].flops == 8 * 5 * 5 * 4
+    # linear: 200 inputs × 10 outputs × 2
+    assert by["4"].params == 200 * 10 + 10 and by["4"].flops == 2 * 200 * 10
+    assert c.params == 224 + 2010
+    assert c.forward_flops == by["0"].flops + by["2"].flops + by["4"].flops
+    assert by["0"].activation_bytes == 8 * 10 * 10 * 4
+
+
+def test_training_flops_are_about_three_times_forward():
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                        nn.Flatten(), nn.Linear(16 * 8 * 8, 4))
+    c = layer_costs(net, (3, 8, 8))
+    conv_lin = 2 * 64 * 16 * 27 + 2 * 64 * 16 * 144 + 2 * 1024 * 4
+    assert c.forward_flops == conv_lin
+    # backward = grad wrt weights (1×) + grad wrt inputs (1×), except the first layer's input
+    assert c.train_flops == conv_lin + conv_lin + (conv_lin - 2 * 64 * 16 * 27)
+
+
+def test_whole_small_cnn_per_image_and_findings():
+    net = nn.Sequential(nn.Conv2d(3, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 16, 3), nn.ReLU(),
+                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 14 * 14, 512), nn.Linear(512, 1))
+    c = layer_costs(net, (3, 64, 64), batch=3)
+    assert c.params == sum(p.numel() for p in net.parameters())
+    assert c.layers[0].flops == 2 * 62 * 62 * 32 * 27  # per image, not per batch of 3
+    text = " ".join(c.findings)
+    assert "holds" in text and "7 (Linear)" in text  # the big Dense
+    assert "filters shrink from 32 to 16" in text
+
+
+def test_failing_model_names_layer_and_shapes():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(100, 10))
+    try:
+        layer_costs(net, (3, 32, 32))
+    except ValueError as e:
+        msg = str(e)
+    assert "layer 2 (Linear)" in msg and "(7200,)" in msg and "(3, 32, 32)" in msg

@@ -1,0 +1,114 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import trainfast
+from trainfast import hardware
+from trainfast.cli import main
+from trainfast.doctor import doctor
+from trainfast.errors import TrainfastError
+
+
+class Tiny(nn.Module):
+    input_shape = (3, 16, 16)
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory):
+    images = np.random.default_rng(0).integers(0, 255, (128, 16, 16, 3), dtype=np.uint8)
+    return trainfast.pack((images, np.arange(128) % 4), tmp_path_factory.mktemp("d") / "p", size=(16, 16),
+                          progress=False)
+
+
+def test_report_json_schema(pack):
+    r = doctor(Tiny(), pack, batch_size=16, steps=4, warmup=1, try_fixes=False)
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["schema"] == 1
+    assert set(d) >= {"model", "data", "system", "peaks", "cost", "speed", "steps", "roofline", "verdict",
+                      "recommendations"}
+    assert set(d["steps"]) >= {"data", "copy", "forward", "backward", "optimizer", "other", "step", "images_per_s"}
+    assert d["verdict"]["kind"] in ("input-bound", "compute-bound", "overhead-bound")
+    assert d["cost"]["params"] == sum(p.numel() for p in Tiny().parameters())
+    assert "float32" in d["peaks"]["matmul_flops"]
+
+
+def test_html_holds_both_charts(pack, tmp_path):
+    out = tmp_path / "r.html"
+    assert main(["doctor", "--model", "cifar_cnn", "--data", str(pack.path), "--batch-size", "8", "--steps", "2",
+                 "--no-fixes", "--html", str(out)]) == 1  # cifar_cnn takes 32×32; the pack is 16×16
+    assert not out.exists()
+    r = doctor(Tiny(), pack, batch_size=16, steps=3, warmup=1, try_fixes=False)
+    page = r.html()
+    assert page.count("<svg") == 2 and 'id="step-breakdown"' in page and 'id="layer-cost"' in page
+
+
+def test_fixes_are_measured(pack):
+    r = doctor(Tiny(), pack, batch_size=16, steps=3, warmup=1)
+    compute_side = [rec for rec in r.recommendations if "data" not in rec.evidence]
+    assert all(rec.measured and "images/s" in rec.evidence for rec in compute_side)
+    assert all(rec.action for rec in r.recommendations)
+    assert [rec.speedup for rec in r.recommendations] == sorted((rec.speedup for rec in r.recommendations), reverse=True)
+
+
+def test_unpacked_folder_is_timed_per_image_and_pack_is_tried(image_folder):
+    net = Tiny()
+    r = doctor(net, image_folder, batch_size=8, steps=2, warmup=1)
+    assert "decoded per image" in r.data
+    if r.times.share("data") >= 0.05:
+        assert any("Pack" in rec.title and rec.measured for rec in r.recommendations)
+
+
+def test_peaks_are_cached_and_reused(monkeypatch):
+    calls = []
+    real = hardware.measure_peaks
+    monkeypatch.setattr(hardware, "measure_peaks", lambda d: calls.append(1) or real(d))
+    cpu = torch.device("cpu")
+    first = hardware.peaks(cpu, remeasure=True)
+    second = hardware.peaks(cpu)
+    assert len(calls) == 1 and second["cached"] and not first["cached"]
+    assert second["matmul_flops"] == first["matmul_flops"]
+
+
+def test_bad_inputs(pack, tmp_path):
+    with pytest.raises(TrainfastError, match="known models"):
+        doctor("resnet9000", pack)
+    with pytest.raises(TrainfastError, match="no such file"):
+        doctor("missing.py:net", pack)
+    f = tmp_path / "m.py"
+    f.write_text("import torch.nn as nn\ndef net():\n    return 3\ndef good():\n    return nn.Linear(2, 2)\n")
+    with pytest.raises(TrainfastError, match="returned int, not a torch.nn.Module"):
+        doctor(f"{f}:net", pack)
+    with pytest.raises(TrainfastError, match="has no 'other'; it defines"):
+        doctor(f"{f}:other", pack)
+    with pytest.raises(TrainfastError, match="the model takes 3×32×32"):
+        doctor("cifar_cnn", pack, batch_size=8, steps=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(TrainfastError, match="cuda"):
+            doctor(Tiny(), pack, device="cuda")
+    with pytest.raises(TrainfastError, match="too few"):
+        doctor(Tiny(), pack, batch_size=1000)
+
+
+def test_model_failing_on_shape_names_the_layer(tmp_path):
+    class Wrong(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.net[3] = nn.Linear(10, 4)
+    x = [(torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))) for _ in range(3)]
+    with pytest.raises(TrainfastError, match=r"at layer net.3 \(Linear\), which received \(1568,\)"):
+        doctor(Wrong(), x, steps=1, warmup=0)
+
+
+def test_cli_text_report(pack, capsys):
+    assert main(["doctor", "--model", "plate_cnn", "--data", str(pack.path), "--steps", "2"]) == 1
+    assert "the model takes 3×64×128" in capsys.readouterr().err

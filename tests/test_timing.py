@@ -1,0 +1,60 @@
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import trainfast
+from trainfast.doctor.timing import step_breakdown
+from trainfast.errors import TrainfastError
+
+
+def _net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 4))
+
+
+class SlowDecode:
+    """A Sequence-like pipeline whose per-item 'decode' sleeps a known time."""
+
+    def __init__(self, per_item=0.002, batch=8, n=40):
+        self.per_item, self.batch, self.n = per_item, batch, n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            items = []
+            for _ in range(self.batch):
+                time.sleep(self.per_item)
+                items.append(torch.rand(3, 16, 16))
+            yield torch.stack(items), torch.randint(0, 4, (self.batch,))
+
+
+def test_input_bound_pipeline_has_true_data_share():
+    data = SlowDecode(per_item=0.003)
+    t = step_breakdown(_net(), data, device=torch.device("cpu"), steps=12, warmup=2)
+    # the true wait is 8 × 3 ms = 24 ms per batch, plus a little for the tensors
+    assert 0.022 <= t.data <= 0.045
+    assert t.share("data") > 0.5
+    assert abs(sum(getattr(t, s) for s in ("data", "copy", "forward", "backward", "optimizer", "other")) - t.step) < 1e-6
+
+
+def test_in_memory_loader_is_not_input_bound(tmp_path):
+    images = np.random.default_rng(0).integers(0, 255, (256, 16, 16, 3), dtype=np.uint8)
+    pk = trainfast.pack((images, np.arange(256) % 4), tmp_path / "p", size=(16, 16), progress=False)
+    net = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 4))
+    t = step_breakdown(net, trainfast.Loader(pk, 32, device="cpu"), device=torch.device("cpu"), steps=10, warmup=2)
+    assert t.share("data") < 0.05
+    assert t.forward > 0 and t.backward > 0 and np.isfinite(t.loss)
+
+
+def test_data_too_small_for_steps():
+    gen = (b for b in SlowDecode(per_item=0, n=3))
+    with pytest.raises(TrainfastError, match="ran out after 3 batches; 12 are needed"):
+        step_breakdown(_net(), gen, device=torch.device("cpu"), steps=10, warmup=2)
+
+
+def test_reiterable_data_is_restarted():
+    t = step_breakdown(_net(), SlowDecode(per_item=0, n=3), device=torch.device("cpu"), steps=6, warmup=1)
+    assert t.steps == 6

@@ -1,0 +1,182 @@
+"""Synthetic license-plate photos: what a user of the plate story would have on disk.
+
+`make_plates(out, count, seed)` writes out/images/*.jpg (photo-like sizes larger than
+64×128) and out/labels.csv with columns path,plate. Each plate holds 8 characters from
+0-9A-Z, rendered in one of several fonts that matplotlib ships, on a varied background,
+with perspective, rotation, scale, brightness, blur, noise and JPEG artefacts. Image i
+depends only on (seed, i), so the result is the same for any number of workers.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+from concurrent.futures import ProcessPoolExecutor
+from functools import lru_cache
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageChops, ImageDraw, ImageFilter, ImageFont
+
+ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+LENGTH = 8
+_FONTS = ("DejaVuSans-Bold.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSans.ttf", "DejaVuSerif-Bold.ttf",
+          "DejaVuSansMono.ttf", "DejaVuSerif.ttf")
+_PLATE_COLOURS = [((235, 235, 230), (20, 20, 20)), ((245, 200, 40), (15, 15, 15)),
+                  ((250, 250, 250), (30, 40, 120)), ((40, 90, 40), (240, 240, 240)),
+                  ((210, 215, 225), (120, 20, 20))]
+
+
+def font_paths() -> list[str]:
+    """The TrueType fonts used: those of _FONTS that matplotlib's installation ships."""
+    import matplotlib
+
+    root = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+    found = [str(root / f) for f in _FONTS if (root / f).exists()]
+    if not found:
+        raise RuntimeError(f"no DejaVu fonts found under {root}")
+    return found
+
+
+@lru_cache(maxsize=64)
+def _font(path: str, size: int) -> ImageFont.FreeTypeFont:
+    return ImageFont.truetype(path, size)
+
+
+_NOISE_SIGMAS = (4, 8, 12)
+
+
+@lru_cache(maxsize=len(_NOISE_SIGMAS))
+def _noise_tile(level: int) -> Image.Image:
+    """Gaussian noise around 128, fixed per level (so every image stays deterministic)."""
+    a = np.random.default_rng(level).normal(128, _NOISE_SIGMAS[level], (600, 900, 3))
+    return Image.fromarray(a.clip(0, 255).astype(np.uint8))
+
+
+def _background(rng: np.random.Generator, w: int, h: int) -> Image.Image:
+    """A smooth colour gradient with a few blobs: road, wall or car body."""
+    c0, c1 = rng.integers(0, 256, 3).astype(np.float32), rng.integers(0, 256, 3).astype(np.float32)
+    tx = np.linspace(0, rng.uniform(0.3, 1), 16, dtype=np.float32)[None, :, None]
+    ty = np.linspace(0, rng.uniform(0, 0.7), 8, dtype=np.float32)[:, None, None]
+    t = np.minimum(tx + ty, 1)  # a 16×8 gradient, scaled up smoothly: cheap
+    im = Image.fromarray((c0 + (c1 - c0) * t).astype(np.uint8)).resize((w, h), Image.BILINEAR)
+    draw = ImageDraw.Draw(im)
+    for _ in range(int(rng.integers(0, 5))):
+        x, y = int(rng.integers(0, w)), int(rng.integers(0, h))
+        r = int(rng.integers(5, max(6, w // 4)))
+        draw.ellipse((x - r, y - r, x + r, y + r), fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+    return im
+
+
+def _plate(rng: np.random.Generator, text: str, fonts: list[str]) -> Image.Image:
+    """The plate itself, flat and upright: text on a coloured board with a border."""
+    bg, fg = _PLATE_COLOURS[int(rng.integers(len(_PLATE_COLOURS)))]
+    font = _font(fonts[int(rng.integers(len(fonts)))], int(rng.integers(28, 38)))
+    gap = int(rng.integers(0, 5))
+    widths = [font.getbbox(ch)[2] for ch in text]
+    ascent, descent = font.getmetrics()
+    tw, th = sum(widths) + gap * (len(text) - 1), ascent + descent
+    pw, ph = tw + int(rng.integers(14, 30)), th + int(rng.integers(10, 22))
+    plate = Image.new("RGB", (pw, ph), bg)
+    draw = ImageDraw.Draw(plate)
+    draw.rectangle((1, 1, pw - 2, ph - 2), outline=fg, width=int(rng.integers(1, 4)))
+    x, y = (pw - tw) // 2, (ph - th) // 2
+    for ch, cw in zip(text, widths):
+        draw.text((x, y + int(rng.integers(-1, 2))), ch, font=font, fill=fg)
+        x += cw + gap
+    return plate
+
+
+def _perspective_coeffs(src, dst):
+    """Coefficients for Image.transform(PERSPECTIVE) mapping output points dst → input src."""
+    a = []
+    for (x, y), (u, v) in zip(dst, src):
+        a.append([x, y, 1, 0, 0, 0, -u * x, -u * y])
+        a.append([0, 0, 0, x, y, 1, -v * x, -v * y])
+    return np.linalg.solve(np.asarray(a, float), np.asarray(src, float).reshape(8))
+
+
+def render(seed: int, index: int, fonts: list[str]) -> tuple[bytes, str]:
+    """Image `index` of the set `seed`: (JPEG bytes, plate text)."""
+    rng = np.random.default_rng([seed, index])
+    text = "".join(ALPHABET[i] for i in rng.integers(0, len(ALPHABET), LENGTH))
+    plate = _plate(rng, text, fonts)
+    pw, ph = plate.size
+    # Photo: the plate fills most of the frame, as a crop from a plate detector would.
+    out_w = int(pw * rng.uniform(1.05, 1.3))
+    out_h = int(out_w * rng.uniform(0.42, 0.6))
+    photo = _background(rng, out_w, out_h)
+    jitter = rng.uniform(-0.04, 0.04, (4, 2)) * [pw, ph]
+    corners = np.array([[0, 0], [pw, 0], [pw, ph], [0, ph]], float)
+    angle = np.deg2rad(rng.uniform(-5, 5))
+    rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+    placed = (corners - [pw / 2, ph / 2]) @ rot.T + [out_w / 2, out_h / 2] + jitter
+    placed += rng.uniform(-0.04, 0.04, 2) * [out_w, out_h]
+    coeffs = _perspective_coeffs(corners, placed)
+    warped = plate.transform((out_w, out_h), Image.PERSPECTIVE, tuple(coeffs), Image.BILINEAR)
+    mask = Image.new("L", (pw, ph), 255).transform((out_w, out_h), Image.PERSPECTIVE, tuple(coeffs), Image.BILINEAR)
+    photo.paste(warped, (0, 0), mask)
+    gain, offset = rng.uniform(0.55, 1.25), rng.uniform(-25, 25)  # exposure, as a lookup table
+    photo = photo.point([int(min(255, max(0, v * gain + offset))) for v in range(256)] * 3)
+    level = int(rng.integers(0, len(_NOISE_SIGMAS) + 1))
+    if level:  # sensor noise: a random window of a fixed noise tile, added around 0
+        tile = _noise_tile(level - 1)
+        x0, y0 = int(rng.integers(0, tile.width - out_w + 1)), int(rng.integers(0, tile.height - out_h + 1))
+        photo = ImageChops.add(photo, tile.crop((x0, y0, x0 + out_w, y0 + out_h)), 1.0, -128)
+    if rng.random() < 0.7:
+        photo = photo.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.2, 1.4))))
+    buf = io.BytesIO()
+    photo.save(buf, format="JPEG", quality=int(rng.integers(60, 95)))
+    return buf.getvalue(), text
+
+
+def _render_range(args) -> list[str]:
+    seed, start, stop, images_dir = args
+    fonts = font_paths()
+    texts = []
+    for i in range(start, stop):
+        data, text = render(seed, i, fonts)
+        with open(os.path.join(images_dir, f"{i:06d}.jpg"), "wb") as f:
+            f.write(data)
+        texts.append(text)
+    return texts
+
+
+def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progress: bool = False) -> Path:
+    """Write `count` plate photos to out/images/ and out/labels.csv (path,plate).
+
+    The CSV is written last, under a temporary name, then renamed: a CSV that exists is
+    complete.
+    """
+    from trainfast.hardware import usable_cores  # NOTE: datasets may ask how many cores there are
+
+    out = Path(out)
+    images_dir = out / "images"
+    images_dir.mkdir(parents=True, exist_ok=True)
+    workers = workers or usable_cores()
+    step = max(50, -(-count // (workers * 8)))
+    ranges = [(seed, s, min(s + step, count), str(images_dir)) for s in range(0, count, step)]
+    from tqdm import tqdm
+
+    bar = tqdm(total=count, unit="img", desc="making plates", disable=not progress)
+    texts: list[str] = []
+    if workers == 1 or len(ranges) == 1:
+        for r in ranges:
+            texts += _render_range(r)
+            bar.update(r[2] - r[1])
+    else:
+        ctx = get_context("fork" if os.name == "posix" and os.uname().sysname == "Linux" else "spawn")
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            for r, t in zip(ranges, pool.map(_render_range, ranges)):
+                texts += t
+                bar.update(r[2] - r[1])
+    bar.close()
+    tmp = out / "labels.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "plate"])
+        w.writerows((f"images/{i:06d}.jpg", t) for i, t in enumerate(texts))
+    os.replace(tmp, out / "labels.csv")
+    return out

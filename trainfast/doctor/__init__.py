@@ -1,0 +1,319 @@
+"""`trainfast doctor`: where the training time goes, why, and what to do — with numbers.
+
+    report = trainfast.doctor("plate_cnn", "plates/labels.csv", batch_size=128)
+    print(report.text())
+
+The doctor measures the machine (cached), counts the model's cost per layer, times real
+training steps on the user's own data pipeline, gives a verdict, then re-runs a few steps
+with each candidate fix to measure what it buys.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from trainfast import hardware, models
+from trainfast import step as _step
+from trainfast.config import Speed
+from trainfast.data.format import Pack, is_pack
+from trainfast.data.loader import Loader
+from trainfast.data.naive import PerImageBatches
+from trainfast.data.sources import Source, open_source
+from trainfast.doctor.cost import ModelCost, layer_costs
+from trainfast.doctor.timing import StepTimes, step_breakdown, synthetic_batches
+from trainfast.doctor.verdict import Recommendation, Roofline, Verdict, roofline, verdict
+from trainfast.errors import TrainfastError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Report:
+    """Everything the doctor found; `.text()`, `.to_dict()` (JSON) and `.html()` render it."""
+
+    model: str
+    data: str
+    system: dict
+    peaks: dict
+    cost: ModelCost
+    speed: Speed
+    times: StepTimes
+    roofline: Roofline
+    verdict: Verdict
+    recommendations: list[Recommendation] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA_VERSION, "model": self.model, "data": self.data, "system": self.system,
+                "peaks": self.peaks, "cost": self.cost.to_dict(), "speed": self.speed.to_dict(),
+                "steps": self.times.to_dict(), "roofline": self.roofline.to_dict(),
+                "verdict": self.verdict.to_dict(),
+                "recommendations": [r.to_dict() for r in self.recommendations], "seconds": self.seconds}
+
+    def text(self) -> str:
+        from trainfast.doctor.report import render_text
+        return render_text(self)
+
+    def html(self) -> str:
+        from trainfast.doctor.report import render_html
+        return render_html(self)
+
+
+def load_model(spec) -> tuple[nn.Module, str]:
+    """A model from a registry name, `path/to/file.py:function_or_class`, or an nn.Module."""
+    if isinstance(spec, nn.Module):
+        return spec, type(spec).__name__
+    spec = str(spec)
+    if ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
+        path, name = spec.rsplit(":", 1)
+        p = Path(path)
+        if not p.is_file():
+            raise TrainfastError(f"{path}: no such file")
+        mod_spec = importlib.util.spec_from_file_location(f"_trainfast_user_{p.stem}", p)
+        module = importlib.util.module_from_spec(mod_spec)
+        try:
+            mod_spec.loader.exec_module(module)  # the user's own model code, run on purpose
+        except Exception as e:
+            raise TrainfastError(f"{path}: importing it failed ({type(e).__name__}: {e})") from None
+        fn = getattr(module, name, None)
+        if fn is None:
+            found = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+            raise TrainfastError(f"{path} has no {name!r}; it defines {', '.join(found) or 'nothing callable'}")
+        try:
+            model = fn()
+        except Exception as e:
+            raise TrainfastError(f"{spec}() failed ({type(e).__name__}: {e})") from None
+        if not isinstance(model, nn.Module):
+            raise TrainfastError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module")
+        return model, spec
+    try:
+        return models.create(spec), spec
+    except ValueError as e:
+        raise TrainfastError(str(e)) from None
+
+
+def _input_shape(model: nn.Module, data) -> tuple:
+    shape = getattr(model, "input_shape", None)
+    if shape is not None:
+        return tuple(shape)
+    if isinstance(data, Pack):
+        h, w, c = data.shape
+        return (c, h, w)
+    x, _ = next(iter(data))
+    return tuple(x.shape[1:])
+
+
+def _resolve_data(data, model, batch_size: int, device, seed: int):
+    """(iterable of batches, description, Source of files or None, Pack or None)."""
+    if isinstance(data, (str, Path)):
+        p = Path(data)
+        if is_pack(p):
+            pk = Pack(p)
+            return Loader(pk, batch_size, device=device, seed=seed), f"pack {p}", None, pk
+        if not p.exists():
+            raise TrainfastError(f"{data}: no such file or folder")
+        src = open_source(p)
+        if src.files is None:
+            raise TrainfastError(f"{data}: pack it first (`trainfast pack {data} OUT --size HxW`), then run the doctor on the pack")
+        shape = getattr(model, "input_shape", None)
+        if shape is None:
+            raise TrainfastError("a model without .input_shape needs a pack or an iterable of batches, not raw files")
+        return (PerImageBatches(src, shape[1:], batch_size, seed=seed),
+                f"{src.kind} {p} ({len(src)} files, decoded per image per batch)", src, None)
+    if isinstance(data, Pack):
+        return Loader(data, batch_size, device=device, seed=seed), f"pack {data.path}", None, data
+    if isinstance(data, Source):
+        shape = model.input_shape
+        return PerImageBatches(data, shape[1:], batch_size, seed=seed), f"{data.kind} {data.origin}", data, None
+    if hasattr(data, "__iter__"):
+        return data, type(data).__name__, None, None
+    raise TrainfastError(f"data must be a pack, an image folder, a CSV, or an iterable of (images, labels); got {type(data).__name__}")
+
+
+def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 3, device=None,
+           speed: Speed | None = None, try_fixes: bool = True, remeasure: bool = False,
+           seed: int = 0, log=None) -> Report:
+    """Diagnose training `model` on `data`: measure, explain, and try the fixes.
+
+    Args:
+        model: a registered name, 'file.py:function', or an nn.Module.
+        data: a pack, an image folder or CSV (timed as the per-image pipeline users write),
+            or any iterable of (images, labels) — a DataLoader, a generator, a Sequence.
+        batch_size: for packs and files; an iterable brings its own.
+        steps, warmup: timed steps, and steps run first and not timed.
+        device: 'cpu', 'cuda', or None for cuda when available.
+        speed: the settings to diagnose (default: fp32, no channels_last: PyTorch's defaults).
+        try_fixes: re-run a few steps with each candidate fix to measure its gain.
+    """
+    started = time.perf_counter()
+    log = log or (lambda msg: None)
+    try:
+        dev = hardware.resolve_device(device)
+    except ValueError as e:
+        raise TrainfastError(str(e)) from None
+    net, name = load_model(model)
+    speed = replace(speed or Speed(), batch_size=batch_size)
+    reason = _step.check(speed, dev)
+    if reason:
+        raise TrainfastError(reason)
+    batches, described, src, pk = _resolve_data(data, net, batch_size, dev, seed)
+    shape = _input_shape(net, pk if pk is not None else batches)
+    if pk is not None and tuple(shape) != (pk.shape[2], pk.shape[0], pk.shape[1]):
+        h, w, c = pk.shape
+        raise TrainfastError(f"the pack holds {c}×{h}×{w} images but the model takes {'×'.join(map(str, shape))}")
+
+    log("measuring this machine's peaks (cached after the first run)…")
+    peaks = hardware.peaks(dev, remeasure=remeasure)
+    log("counting the model's cost per layer…")
+    try:
+        cost = layer_costs(copy.deepcopy(net), shape)
+    except ValueError as e:
+        raise TrainfastError(str(e)) from None
+    log(f"timing {steps} training steps on {described}…")
+    times = step_breakdown(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=warmup)
+    roof = roofline(cost, times, peaks, speed.precision)
+    found = verdict(times, roof)
+    report = Report(name, described, hardware.describe(dev), peaks, cost, speed, times, roof, found)
+    if try_fixes:
+        log("trying the fixes on the spot…")
+        report.recommendations = _recommendations(net, report, dev, src, pk, log)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+# --- recommendations: try each fix for a few steps ---------------------------------------------
+
+def _compute_rate(net, shape, out_shape, speed: Speed, dev) -> float | None:
+    """images/s of the compute side alone (batches already on the device), or None on failure."""
+    data = synthetic_batches(shape, out_shape, speed.batch_size, dev)
+    try:
+        return step_breakdown(copy.deepcopy(net), data, device=dev, speed=speed, steps=6, warmup=2).images_per_s
+    except (RuntimeError, torch.cuda.OutOfMemoryError):
+        return None
+
+
+def _output_shape(net, shape, dev) -> tuple:
+    out = getattr(net, "output_shape", None)
+    if out is not None:
+        return tuple(out)
+    with torch.no_grad():
+        return tuple(copy.deepcopy(net).eval()(torch.zeros((1, *shape))).shape[1:])
+
+
+def _recommendations(net, report: Report, dev, src, pk, log) -> list[Recommendation]:
+    recs: list[Recommendation] = []
+    t, speed = report.times, report.speed
+    shape = report.cost.input_shape
+    out_shape = _output_shape(net, shape, dev)
+    compute_step = t.step - t.data  # what a step would cost with no data wait
+    cmd_model = report.model
+
+    # 1. the input side
+    if t.share("data") >= 0.05:
+        if src is not None:
+            per_batch = _loader_seconds_per_batch(src, shape, t.batch_size, dev)
+            new = compute_step + per_batch
+            recs.append(Recommendation(
+                "Pack the images once, then stream the pack",
+                f"trainfast pack {src.origin} DATA.pack --size {shape[1]}x{shape[2]}\n"
+                f"trainfast train DATA.pack --model {cmd_model}",
+                t.step / new, True,
+                f"a pack of a sample of your files loads a batch in {per_batch * 1e3:.1f} ms; your pipeline "
+                f"took {t.data * 1e3:.0f} ms"))
+        elif pk is not None:
+            recs.append(Recommendation(
+                "Give the Loader more threads, or convert on the device",
+                "trainfast.Loader(pack, ..., workers=4, prefetch=8)  or  dtype=torch.uint8 and convert in the model",
+                t.step / max(compute_step, 1e-9), False,
+                f"estimate: the step without its {t.data * 1e3:.1f} ms data wait"))
+        else:
+            recs.append(Recommendation(
+                "Take the data wait off the step: pack the data, or prepare batches in parallel",
+                "trainfast pack SOURCE DATA.pack --size HxW   (then trainfast.Loader(DATA.pack, ...))\n"
+                "or: DataLoader(..., num_workers=<cores>, pin_memory=True, persistent_workers=True)",
+                t.step / max(compute_step, 1e-9), False,
+                f"estimate: the step without its {t.data * 1e3:.0f} ms data wait"))
+
+    # 2. the compute side: precision, memory format, batch size, threads
+    base = _compute_rate(net, shape, out_shape, speed, dev)
+    if base:
+        candidates = []
+        if _step.supports_bf16(dev) and speed.precision == "fp32":
+            candidates.append((replace(speed, precision="bf16"), "bf16 autocast",
+                               "with torch.autocast(device_type, dtype=torch.bfloat16): out = model(x)"))
+        if dev.type == "cuda" and speed.precision == "fp32":
+            candidates.append((replace(speed, precision="fp16"), "fp16 autocast + GradScaler",
+                               "torch.autocast('cuda', dtype=torch.float16) and torch.amp.GradScaler('cuda')"))
+        if not speed.channels_last:
+            candidates.append((replace(speed, channels_last=True), "channels_last memory format",
+                               "model.to(memory_format=torch.channels_last); x = x.contiguous(memory_format=torch.channels_last)"))
+            if _step.supports_bf16(dev) and speed.precision == "fp32":
+                candidates.append((replace(speed, precision="bf16", channels_last=True), "bf16 autocast + channels_last",
+                                   "model.to(memory_format=torch.channels_last) and "
+                                   "torch.autocast(device_type, dtype=torch.bfloat16) around the forward"))
+        if speed.batch_size < 64:
+            bigger = min(speed.batch_size * 4, 128)
+            candidates.append((replace(speed, batch_size=bigger), f"batch size {bigger}",
+                               f"--batch-size {bigger} (scale the learning rate with it)"))
+        cores = hardware.physical_cores()
+        if dev.type == "cpu" and torch.get_num_threads() < cores:
+            candidates.append((replace(speed, threads=cores), f"{cores} intra-op threads",
+                               f"torch.set_num_threads({cores})"))
+        for cand, title, action in candidates:
+            log(f"  trying {title}…")
+            rate = _compute_rate(net, shape, out_shape, cand, dev)
+            if rate is None:
+                continue
+            gain = rate / base
+            new_step = t.data + compute_step / gain
+            recs.append(Recommendation(title, action + f"\ntrainfast train … {_train_flags(cand)}", t.step / new_step, True,
+                                       f"compute side {base:.0f} → {rate:.0f} images/s"))
+        torch.set_num_threads(report.system["torch_threads"])
+
+    # 3. the device itself
+    info = report.system
+    if dev.type == "cpu" and info["cuda_available"]:
+        recs.append(Recommendation("Train on the GPU", "--device cuda", 0.0, False,
+                                   "a CUDA GPU is present and unused"))
+    elif dev.type == "cpu" and info["nvidia_gpu_present"] and info["torch_cuda_build"] is None:
+        recs.append(Recommendation("Install a CUDA build of torch", "pip install torch (a CUDA build)", 0.0, False,
+                                   "an NVIDIA GPU is present, but this torch is a CPU-only build"))
+    recs = [r for r in recs if r.speedup == 0.0 or r.speedup >= 1.05]
+    return sorted(recs, key=lambda r: -r.speedup)
+
+
+def _train_flags(s: Speed) -> str:
+    flags = [f"--precision {s.precision}"] + (["--channels-last"] if s.channels_last else []) + [f"--batch-size {s.batch_size}"]
+    return " ".join(flags) + (f" --threads {s.threads}" if s.threads else "")
+
+
+def _loader_seconds_per_batch(src: Source, shape, batch_size: int, dev) -> float:
+    """Pack a sample of the files, then time the Loader's batches on it (seconds per batch)."""
+    from trainfast.data.pack import pack
+
+    n = min(len(src), max(4 * batch_size, 256))
+    tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
+    try:
+        sample = Source(src.kind, src.origin, src.keys[:n], src.labels[:n], src.classes, src.alphabet,
+                        files=src.files[:n])
+        pk = pack(sample, tmp / "sample", size=tuple(shape[1:]), channels=shape[0], progress=False)
+        loader = Loader(pk, min(batch_size, len(pk)), device=dev, drop_last=True)
+        for _ in loader:  # warm-up epoch
+            pass
+        t = time.perf_counter()
+        count = 0
+        for _ in range(3):
+            for _ in loader:
+                count += 1
+        return (time.perf_counter() - t) / max(count, 1)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,174 @@
+"""What a model costs: per-layer output shape, parameters, FLOPs and activation memory,
+and the structural findings that follow from them.
+
+FLOPs are counted by torch.utils.flop_counter: 2 per multiply-add of convolutions and
+matrix products (FLOPs, not MACs), plus, added here, one per window element of pooling.
+Elementwise work (activations, batch-norm, dropout) is not counted: it is memory-bound and
+belongs to the memory bound instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+
+@dataclass
+class LayerCost:
+    name: str  # module path, e.g. "features.0"
+    kind: str  # class name, e.g. "Conv2d"
+    input_shape: tuple  # per image, without the batch dimension
+    output_shape: tuple
+    params: int
+    flops: int  # forward FLOPs per image
+    activation_bytes: int  # output bytes per image at the dtype measured
+
+
+@dataclass
+class ModelCost:
+    layers: list[LayerCost]
+    params: int
+    forward_flops: int  # per image
+    train_flops: int  # forward + backward per image, as counted
+    activation_bytes: int  # all layers' outputs per image
+    param_bytes: int
+    input_shape: tuple
+    findings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pool_flops(input_shape, kernel_size, *args, out_shape=None, **kwargs) -> int:
+    out = out_shape[0] if isinstance(out_shape[0], (tuple, list, torch.Size)) else out_shape
+    k = kernel_size if isinstance(kernel_size, (tuple, list)) else (kernel_size, kernel_size)
+    return math.prod(out) * math.prod(k)
+
+
+def _adaptive_pool_flops(input_shape, output_size, *args, out_shape=None, **kwargs) -> int:
+    return math.prod(input_shape)  # every input element is read into exactly one window
+
+
+_CUSTOM = {
+    torch.ops.aten.max_pool2d_with_indices: _pool_flops,
+    torch.ops.aten.max_pool2d: _pool_flops,
+    torch.ops.aten.avg_pool2d: _pool_flops,
+    torch.ops.aten._adaptive_avg_pool2d: _adaptive_pool_flops,
+}
+
+
+def _count(model: nn.Module, x: torch.Tensor, backward: bool) -> dict:
+    counter = FlopCounterMode(display=False, custom_mapping=_CUSTOM)
+    with counter:
+        y = model(x)
+        if backward:
+            y.float().sum().backward()
+    return counter.get_flop_counts()
+
+
+def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float32) -> ModelCost:
+    """Cost of `model` per image for inputs of shape (C, H, W).
+
+    Raises ValueError naming the layer and the shapes when the model fails on that input.
+    """
+    model = model.cpu()
+    was_training = model.training
+    model.eval()  # dropout off, batch-norm statistics untouched
+    x = torch.zeros((batch, *input_shape), dtype=dtype)
+    shapes: dict[str, tuple] = {}
+    inputs: dict[str, tuple] = {}
+    leaves = {n: m for n, m in model.named_modules() if not list(m.children())}
+
+    def hook(name):
+        def record(mod, args, out):
+            if isinstance(out, torch.Tensor):
+                shapes[name] = tuple(out.shape[1:])
+            if args and isinstance(args[0], torch.Tensor):
+                inputs[name] = tuple(args[0].shape[1:])
+        return record
+
+    failing: list[str] = []
+
+    def pre(name):
+        def mark(mod, args):
+            failing.append(name)
+            if args and isinstance(args[0], torch.Tensor):
+                inputs[name] = tuple(args[0].shape[1:])
+        return mark
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in leaves.items()]
+    handles += [m.register_forward_pre_hook(pre(n)) for n, m in leaves.items()]
+    try:
+        with torch.no_grad():
+            counts = _count(model, x, backward=False)
+    except RuntimeError as e:
+        where = failing[-1] if failing else "the first layer"
+        got = inputs.get(where) or (tuple(x.shape[1:]) if not failing else "?")
+        kind = type(leaves[where]).__name__ if where in leaves else ""
+        raise ValueError(f"the model fails on input {tuple(input_shape)} at layer {where} ({kind}), "
+                         f"which received {got}: {str(e).splitlines()[0]}") from None
+    finally:
+        for h in handles:
+            h.remove()
+    train_counts = _count(model, x.requires_grad_(False), backward=True)
+    model.train(was_training)
+    model.zero_grad(set_to_none=True)
+
+    root = type(model).__name__
+    per_module = {(k[len(root) + 1:] if k.startswith(root + ".") else k): sum(v.values()) for k, v in counts.items()}
+    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1
+    layers = []
+    for name, mod in leaves.items():
+        if name not in shapes:
+            continue  # not used in forward
+        params = sum(p.numel() for p in mod.parameters(recurse=False))
+        layers.append(LayerCost(name, type(mod).__name__, inputs.get(name, ()), shapes[name], params,
+                                per_module.get(name, 0) // batch, math.prod(shapes[name]) * size))
+    params = sum(p.numel() for p in model.parameters())
+    cost = ModelCost(
+        layers=layers, params=params,
+        forward_flops=sum(counts.get("Global", {}).values()) // batch,
+        train_flops=sum(train_counts.get("Global", {}).values()) // batch,
+        activation_bytes=sum(l.activation_bytes for l in layers),
+        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        input_shape=tuple(input_shape))
+    cost.findings = structural_findings(cost)
+    return cost
+
+
+def structural_findings(cost: ModelCost) -> list[str]:
+    """Findings about the model's shape, each with its one-line reason."""
+    out = []
+    if cost.params:
+        big = max(cost.layers, key=lambda l: l.params)
+        share = big.params / cost.params
+        if share >= 0.5 and big.params >= 100_000:
+            flop_share = big.flops / max(cost.forward_flops, 1)
+            out.append(f"{big.name} ({big.kind}) holds {share:.0%} of the parameters ({big.params:,}) but "
+                       f"{flop_share:.1%} of the FLOPs: it dominates memory and overfitting risk, not time; "
+                       "global average pooling before the classifier removes most of it")
+    for l in cost.layers:
+        if l.kind == "Linear" and l.input_shape and l.input_shape[-1] == 1:
+            if len(l.output_shape) >= 2:
+                out.append(f"{l.name} predicts each of {l.output_shape[0]} positions from a single number "
+                           f"(its input is {l.input_shape}): a width-1 bottleneck; keep a feature vector per "
+                           "position instead")
+            else:
+                out.append(f"{l.name} sees a single feature (input {l.input_shape}): a width-1 bottleneck")
+    convs = [l for l in cost.layers if l.kind == "Conv2d" and len(l.output_shape) == 3]
+    for a, b in zip(convs, convs[1:]):
+        if b.output_shape[0] < a.output_shape[0] and b.output_shape[1] < a.output_shape[1]:
+            out.append(f"filters shrink from {a.output_shape[0]} to {b.output_shape[0]} after downsampling "
+                       f"({a.name} → {b.name}): usual practice doubles them as resolution halves")
+    c, h, w = cost.input_shape
+    if convs and h * w >= 256 * 256:
+        first = convs[0]
+        if first.flops / max(cost.forward_flops, 1) > 0.3:
+            out.append(f"the input is {h}×{w}: the first convolution alone costs "
+                       f"{first.flops / max(cost.forward_flops, 1):.0%} of the FLOPs; check whether a smaller "
+                       "input resolution loses any accuracy")
+    return out

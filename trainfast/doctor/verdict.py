@@ -1,0 +1,95 @@
+"""The verdict (input-, compute- or overhead-bound) and its rules, and the roofline.
+
+Thresholds are the customary ones (TensorFlow's input-pipeline analyzer uses the same
+split): data wait ≥ 20% of the step is highly input-bound, 5–20% moderately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from trainfast.doctor.cost import ModelCost
+from trainfast.doctor.timing import StepTimes
+
+HIGHLY_INPUT_BOUND = 0.20
+MODERATELY_INPUT_BOUND = 0.05
+OVERHEAD_SHARE_OF_PEAK = 0.10  # below this share of peak FLOP/s at a small batch: overhead-bound
+SMALL_BATCH = 16
+
+
+@dataclass
+class Roofline:
+    compute_s: float  # per image: training FLOPs ÷ peak FLOP/s
+    memory_s: float  # per image: estimated bytes moved ÷ copy bandwidth
+    measured_s: float  # per image, compute stages only (copy + forward + backward + optimizer)
+    achieved_flops: float  # training FLOPs per second during the compute stages
+    peak_flops: float
+    dtype: str
+
+    @property
+    def bound_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def share_of_peak(self) -> float:
+        return self.achieved_flops / self.peak_flops if self.peak_flops else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "bound_s": self.bound_s, "share_of_peak": self.share_of_peak}
+
+
+def roofline(cost: ModelCost, times: StepTimes, peaks: dict, precision: str) -> Roofline:
+    """Per-image time bounds from the model's FLOPs and bytes and the device's measured peaks.
+
+    Memory bound (an estimate): every activation is written in forward, read and its
+    gradient written in backward (3 passes), and the weights are read twice and their
+    gradients written once per step, shared over the batch.
+    """
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+    flops = peaks["matmul_flops"]
+    peak = flops.get(dtype) or flops["float32"]
+    act_scale = 0.5 if precision != "fp32" else 1.0  # activations in 16-bit under autocast
+    bytes_per_image = 3 * cost.activation_bytes * act_scale + 3 * cost.param_bytes / max(times.batch_size, 1)
+    compute_stage = times.copy + times.forward + times.backward + times.optimizer
+    measured = compute_stage / max(times.batch_size, 1)
+    return Roofline(compute_s=cost.train_flops / peak, memory_s=bytes_per_image / peaks["copy_bytes"],
+                    measured_s=measured, achieved_flops=cost.train_flops / measured if measured else 0.0,
+                    peak_flops=peak, dtype=dtype)
+
+
+@dataclass
+class Verdict:
+    kind: str  # "input-bound", "compute-bound", "overhead-bound"
+    degree: str  # "highly", "moderately", ""
+    sentence: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def verdict(times: StepTimes, roof: Roofline) -> Verdict:
+    data_share = times.share("data")
+    if data_share >= HIGHLY_INPUT_BOUND:
+        return Verdict("input-bound", "highly", f"highly input-bound: {data_share:.0%} of each step waits for "
+                       f"data (≥ {HIGHLY_INPUT_BOUND:.0%} is highly input-bound)")
+    if data_share >= MODERATELY_INPUT_BOUND:
+        return Verdict("input-bound", "moderately", f"moderately input-bound: {data_share:.0%} of each step "
+                       f"waits for data ({MODERATELY_INPUT_BOUND:.0%}–{HIGHLY_INPUT_BOUND:.0%})")
+    if roof.share_of_peak < OVERHEAD_SHARE_OF_PEAK and times.batch_size <= SMALL_BATCH:
+        return Verdict("overhead-bound", "", f"overhead-bound: at batch {times.batch_size} the device reaches "
+                       f"{roof.share_of_peak:.1%} of its measured peak; per-step overhead, not arithmetic, "
+                       "sets the pace")
+    return Verdict("compute-bound", "", f"compute-bound: data wait is {data_share:.0%} of the step; the "
+                   f"model's arithmetic runs at {roof.share_of_peak:.0%} of the device's measured peak")
+
+
+@dataclass
+class Recommendation:
+    title: str
+    action: str  # the exact command or code change
+    speedup: float  # expected step-time ratio old/new
+    measured: bool  # measured on the spot (True) or an estimate (False)
+    evidence: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,111 @@
+"""One training step, in stages, for everything that runs or times one (doctor, tune, train).
+
+    model = prepare(model, speed, device)
+    x, y = to_device(x, y, speed, device)
+    loss = forward_loss(model, x, y, speed, device)
+    backward(loss, scaler)
+    optimizer_step(optimizer, scaler)
+
+NOTE: imports nothing of ours but config and hardware; the stages are separate so that the doctor can
+put a clock between them, and so that train does exactly what was timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from trainfast.config import Speed
+from trainfast.hardware import isa_features
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """bf16 autocast is fast here: CUDA ≥ sm80, or a CPU torch can run bf16 kernels on."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return any(f in isa_features() for f in ("AVX512-BF16", "AMX-BF16"))
+    return False
+
+
+def check(speed: Speed, device: torch.device) -> str | None:
+    """None if `speed` can run on `device`, else the reason in words."""
+    if speed.precision not in ("fp32", "bf16", "fp16"):
+        return f"precision must be fp32, bf16 or fp16, not {speed.precision!r}"
+    if speed.precision == "fp16" and device.type != "cuda":
+        return "fp16 training needs a CUDA device (on CPU fp16 kernels are slow and unscaled); use bf16"
+    if speed.precision == "bf16" and not supports_bf16(device):
+        return f"bf16 is not supported fast on {device} (needs AVX512-BF16/AMX on CPU, or sm80+ on CUDA)"
+    if speed.batch_size < 1:
+        return f"batch size must be ≥ 1, not {speed.batch_size}"
+    return None
+
+
+def prepare(model: nn.Module, speed: Speed, device: torch.device) -> nn.Module:
+    """Move the model to `device` in the memory format of `speed` (compile is the caller's)."""
+    if speed.threads and device.type == "cpu":
+        torch.set_num_threads(speed.threads)
+    model = model.to(device)
+    if speed.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def autocast(speed: Speed, device: torch.device):
+    if speed.precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if speed.precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def make_scaler(speed: Speed, device: torch.device):
+    """A GradScaler for fp16 on CUDA; None otherwise (bf16 needs no scaling)."""
+    if speed.precision == "fp16" and device.type == "cuda":
+        return torch.amp.GradScaler("cuda")
+    return None
+
+
+def to_device(x: torch.Tensor, y: torch.Tensor, speed: Speed, device: torch.device):
+    """Batch to the device; uint8 images become float in [0, 1]; layout as `speed` says."""
+    non_blocking = device.type == "cuda"
+    x = x.to(device, non_blocking=non_blocking)
+    y = y.to(device, non_blocking=non_blocking)
+    if x.dtype == torch.uint8:
+        x = x.float().div_(255)
+    fmt = torch.channels_last if speed.channels_last else torch.contiguous_format
+    if x.dim() == 4 and not x.is_contiguous(memory_format=fmt):
+        x = x.contiguous(memory_format=fmt)
+    return x, y
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy over classes (B, K) vs (B,), or per position (B, L, K) vs (B, L)."""
+    if output.dim() == 3:
+        output, target = output.reshape(-1, output.shape[-1]), target.reshape(-1)
+    return F.cross_entropy(output.float(), target, label_smoothing=label_smoothing)
+
+
+def forward_loss(model, x, y, speed: Speed, device: torch.device, label_smoothing: float = 0.0):
+    with autocast(speed, device):
+        out = model(x)
+    return loss_fn(out, y, label_smoothing), out
+
+
+def backward(loss: torch.Tensor, scaler=None) -> None:
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def optimizer_step(optimizer, scaler=None, clip: float = 0.0, model=None) -> None:
+    if clip and model is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

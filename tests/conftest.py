@@ -41,3 +41,38 @@ def _cache_in_tmp(tmp_path_factory):
     """Measured peaks and tune choices go to a per-session cache, not the user's home."""
     os.environ["TRAINFAST_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     yield
+
+
+@pytest.fixture(scope="session")
+def digits_packs(tmp_path_factory):
+    """scikit-learn's digits at 32×32 RGB: (train pack, test pack)."""
+    import trainfast
+    from trainfast.datasets.digits import load_digits, split
+
+    tmp = tmp_path_factory.mktemp("digits")
+    x, y, classes = load_digits(32)
+    xtr, ytr, xte, yte = split(x, y, 0.2, seed=0)
+    train = trainfast.pack((xtr, ytr), tmp / "train", size=(32, 32), progress=False)
+    test = trainfast.pack((xte, yte), tmp / "test", size=(32, 32), progress=False)
+    return train, test
+
+
+SMALL_NET = '''
+import torch.nn as nn
+
+
+def small():
+    """No batch-norm, no dropout: deterministic across DDP and single-process runs."""
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+    net.input_shape, net.output_shape = (3, 32, 32), (10,)
+    return net
+'''
+
+
+@pytest.fixture(scope="session")
+def small_net_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "small_net.py"
+    path.write_text(SMALL_NET)
+    return path

@@ -138,3 +138,10 @@ def test_colour_path_normalises_like_the_plain_path(pack):
     a = next(iter(Loader(pack, batch_size=16, seed=3, augment=Augment(brightness=1e-9))))[0]
     b = next(iter(Loader(pack, batch_size=16, seed=3)))[0]
     assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_subset_draws_only_from_it(pack):
+    subset = np.arange(50, 90)
+    loader = Loader(pack, batch_size=8, subset=subset, seed=1)
+    seen = np.concatenate([loader.indices(e) for e in range(3)])
+    assert set(seen.tolist()) <= set(subset.tolist()) and len(loader) == 5

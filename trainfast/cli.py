@@ -35,6 +35,14 @@ def _size(text: str) -> tuple[int, int]:
     return values[0], values[1]
 
 
+def _size3(text: str) -> tuple[int, int, int]:
+    try:
+        c, h, w = (int(v) for v in text.lower().replace("×", "x").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not CxHxW, e.g. 3x32x32") from None
+    return c, h, w
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trainfast",
@@ -105,6 +113,61 @@ def _parser() -> argparse.ArgumentParser:
                         description="List the registered models with input and output shapes, parameters "
                                     "and forward FLOPs per image (counted with torch.utils.flop_counter).")
     md.add_argument("--names", action="store_true", help="names only")
+
+    tu = sub.add_parser(
+        "tune", help="measure which speed settings are fastest here",
+        description="Time a few training steps for each candidate setting — precision (fp32, bf16, fp16 on "
+                    "CUDA), channels_last, batch size, CPU threads, torch.compile — and keep the fastest whose "
+                    "loss matches fp32's. The choice is cached per model, input shape, device and torch version.",
+        epilog="Example: trainfast tune --model cifar_cnn   or   trainfast tune --model plate_cnn --pack plates.pack")
+    tu.add_argument("--model", required=True, help="built-in name or file.py:function")
+    tu.add_argument("--pack", help="take the input shape from this pack")
+    tu.add_argument("--input-shape", type=_size3, metavar="CxHxW", help="input shape, e.g. 3x32x32")
+    tu.add_argument("--batch-size", type=int, help="pin the batch size (default: search powers of two)")
+    tu.add_argument("--max-batch", type=int, default=512, help="largest batch tried (default: 512)")
+    tu.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    tu.add_argument("--no-compile", action="store_true", help="do not try torch.compile (slow to compile on CPU)")
+    tu.add_argument("--retune", action="store_true", help="measure again instead of using the cached choice")
+
+    tr = sub.add_parser(
+        "train", help="train a model on a pack with the fastest measured settings",
+        description="Train MODEL on PACK with the settings `trainfast tune` measures fastest here (unless "
+                    "--no-tune or pinned), validating each epoch, with a run directory holding the config, "
+                    "metrics.csv, curves.png, speed.json and last/best checkpoints. Ctrl-C saves; --resume "
+                    "continues, even after a kill. Under torchrun it trains with DDP.",
+        epilog="Examples: trainfast train plates.pack --model plate_net --epochs 10\n"
+               "torchrun --nproc_per_node 2 -m trainfast train cifar.pack --model cifar_resnet")
+    tr.add_argument("pack", metavar="PACK", nargs="?", help="the training pack (omit with --resume)")
+    tr.add_argument("--model", help="built-in name (see `trainfast models`)")
+    tr.add_argument("--val", metavar="PACK", help="validation pack (default: hold out --val-fraction)")
+    tr.add_argument("--run-dir", help="where outputs go (default: runs/MODEL-TIME)")
+    tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    tr.add_argument("--epochs", type=int, default=10, help="(default: 10)")
+    tr.add_argument("--batch-size", type=int, default=None, help="pin the batch size (default: tuned)")
+    tr.add_argument("--optimizer", choices=("sgd", "adamw", "rmsprop"), default="sgd", help="(default: sgd, Nesterov)")
+    tr.add_argument("--lr", type=float, default=0.0, help="peak learning rate (default: per optimizer, scaled by batch)")
+    tr.add_argument("--weight-decay", type=float, default=5e-4, help="(default: 5e-4)")
+    tr.add_argument("--schedule", choices=("onecycle", "cosine", "constant"), default="onecycle", help="(default: onecycle)")
+    tr.add_argument("--warmup", type=float, default=0.2, help="warm-up share of all steps (default: 0.2)")
+    tr.add_argument("--label-smoothing", type=float, default=0.0, help="(default: 0)")
+    tr.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm (default: off)")
+    tr.add_argument("--val-fraction", type=float, default=0.1, help="held out when no --val (default: 0.1)")
+    tr.add_argument("--patience", type=int, default=0, help="early stop after N epochs without improvement")
+    tr.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    tr.add_argument("--no-tune", action="store_true", help="do not tune; use fp32 defaults or what is pinned")
+    tr.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="pin the precision")
+    tr.add_argument("--channels-last", action="store_true", default=None, help="pin channels_last on")
+    tr.add_argument("--compile", action="store_true", default=None, help="pin torch.compile on")
+    tr.add_argument("--threads", type=int, default=0, help="pin CPU threads")
+    tr.add_argument("--translate", type=int, default=0, help="augment: random shift up to N pixels")
+    tr.add_argument("--crop-pad", type=int, default=0, help="augment: random crop after reflect-padding N")
+    tr.add_argument("--flip", action="store_true", help="augment: horizontal flip (not for text)")
+    tr.add_argument("--brightness", type=float, default=0.0, help="augment: brightness jitter")
+    tr.add_argument("--contrast", type=float, default=0.0, help="augment: contrast jitter")
+    tr.add_argument("--cutout", type=int, default=0, help="augment: cutout square side")
+    tr.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
     mp = sub.add_parser(
         "make-plates", help="generate synthetic license-plate photos",
@@ -181,6 +244,57 @@ def _cmd_models(a) -> ExitStatus:
         cost = layer_costs(models.create(name), e.input_shape, batch=1)
         print(f"{name:20s} {'×'.join(map(str, e.input_shape)):>11s} {'×'.join(map(str, e.output_shape)):>8s} "
               f"{cost.params:>12,} {cost.forward_flops / 1e6:>8.1f} M  {e.summary}")
+    return ExitStatus.OK
+
+
+def _cmd_tune(a) -> ExitStatus:
+    from trainfast.doctor import load_model
+    from trainfast.tune import tune
+
+    model, _ = load_model(a.model)
+    shape = a.input_shape
+    if a.pack:
+        from trainfast.data.format import Pack
+        h, w, c = Pack(a.pack).shape
+        shape = (c, h, w)
+    shape = shape or getattr(model, "input_shape", None)
+    if shape is None:
+        raise TrainfastError("give --input-shape CxHxW or --pack for a model without .input_shape")
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    result = tune(model, shape, device=a.device, batch_size=a.batch_size, max_batch=a.max_batch,
+                  try_compile=not a.no_compile, retune=a.retune, log=log)
+    print(result.table())
+    return ExitStatus.OK
+
+
+def _cmd_train(a) -> ExitStatus:
+    from trainfast.config import Augment, TrainConfig
+    from trainfast.train import fit
+
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if a.resume:
+        import json
+        from pathlib import Path
+        saved = json.loads((Path(a.resume) / "config.json").read_text()) if (Path(a.resume) / "config.json").is_file() \
+            else None
+        if saved is None:
+            raise TrainfastError(f"{a.resume}: not a run directory to resume (no config.json)")
+        result = fit(saved["model"], saved["train_pack"], saved["val_pack"], device=a.device, run_dir=a.resume,
+                     resume=True, progress=not a.quiet, log=log)
+    else:
+        if not a.pack or not a.model:
+            raise TrainfastError("give a PACK and --model (or --resume RUN_DIR)")
+        cfg = TrainConfig(epochs=a.epochs, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
+                          schedule=a.schedule, warmup=a.warmup, label_smoothing=a.label_smoothing, clip=a.clip,
+                          val_fraction=a.val_fraction, patience=a.patience, save_every=a.save_every, seed=a.seed)
+        aug = Augment(crop_pad=a.crop_pad, translate=a.translate, flip=a.flip, brightness=a.brightness,
+                      contrast=a.contrast, cutout=a.cutout)
+        pinned = {k: v for k, v in (("precision", a.precision), ("channels_last", a.channels_last),
+                                    ("compile", a.compile), ("batch_size", a.batch_size),
+                                    ("threads", a.threads or None)) if v is not None}
+        result = fit(a.model, a.pack, a.val, config=cfg, pin=pinned, tune=not a.no_tune, augment=aug,
+                     device=a.device, run_dir=a.run_dir, progress=not a.quiet, log=log)
+    log(f"best validation accuracy {result.best:.2%} ({result.stopped}); outputs in {result.run_dir}")
     return ExitStatus.OK
 
 

@@ -93,3 +93,45 @@ class Speed:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+OPTIMIZERS = ("sgd", "adamw", "rmsprop")
+SCHEDULES = ("onecycle", "cosine", "constant")
+# Learning rates known to work at a batch of 256, scaled linearly with the batch actually used.
+BASE_LR = {"sgd": 0.2, "adamw": 2e-3, "rmsprop": 1e-3}
+BASE_BATCH = 256
+
+
+@dataclass
+class TrainConfig:
+    """How `trainfast train` / `trainfast.fit` trains; written to config.json in the run directory."""
+
+    epochs: int = 10
+    """Passes over the training data."""
+    optimizer: str = "sgd"
+    """sgd (Nesterov momentum), adamw or rmsprop."""
+    lr: float = 0.0
+    """Peak learning rate; 0 picks the optimizer's default for the batch size (linear scaling from 256)."""
+    momentum: float = 0.9
+    """SGD momentum (Nesterov) / RMSprop momentum."""
+    weight_decay: float = 5e-4
+    """L2 weight decay (decoupled for AdamW)."""
+    schedule: str = "onecycle"
+    """onecycle, cosine (with warm-up) or constant."""
+    warmup: float = 0.2
+    """Warm-up, as a fraction of all steps (onecycle's rise; cosine's linear ramp)."""
+    label_smoothing: float = 0.0
+    """Cross-entropy label smoothing."""
+    clip: float = 0.0
+    """Clip the gradient norm to this (0: off)."""
+    val_fraction: float = 0.1
+    """Held-out share of the training pack when no validation pack is given."""
+    patience: int = 0
+    """Stop after this many epochs without a better validation score (0: never)."""
+    save_every: int = 0
+    """Also checkpoint every N steps inside an epoch (0: at the end of each epoch only)."""
+    seed: int = 0
+    """Seed of the weights, the order and the augmentations."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)

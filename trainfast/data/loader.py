@@ -41,6 +41,7 @@ class Loader:
         rank, world_size: this process's disjoint, equal share of each epoch (DDP).
         workers: gathering/decoding threads (default: 2 for raw packs, cores for JPEG).
         prefetch: batches prepared ahead (default: workers + 2).
+        subset: draw only from these pack indices (e.g. a held-out split).
 
     Images come as (B, C, H, W) in channels_last memory; labels as int64 (B,) or (B, L).
     `len(loader)` is batches per epoch. Each `for` over the loader runs one epoch and then
@@ -52,8 +53,9 @@ class Loader:
     def __init__(self, pack, batch_size: int = 256, *, shuffle: bool = True, drop_last: bool | None = None,
                  seed: int = 0, device=None, dtype: torch.dtype = torch.float32, normalize: bool = True,
                  augment: Augment | None = None, rank: int = 0, world_size: int = 1,
-                 workers: int | None = None, prefetch: int | None = None):
+                 workers: int | None = None, prefetch: int | None = None, subset=None):
         self.pack = pack if isinstance(pack, Pack) else Pack(Path(pack))
+        self.subset = None if subset is None else np.asarray(subset, dtype=np.int64)
         if batch_size < 1:
             raise TrainfastError(f"batch_size must be ≥ 1, not {batch_size}")
         if not (world_size >= 1 and 0 <= rank < world_size):
@@ -91,14 +93,19 @@ class Loader:
             "inv_std": (1 / std).repeat(w).to(self.device, self._float_dtype),
         }
         if self.samples_per_rank == 0 or len(self) == 0:
-            raise TrainfastError(f"{self.pack.path}: {len(self.pack)} images are too few for batch_size "
+            raise TrainfastError(f"{self.pack.path}: {self.samples} images are too few for batch_size "
                                  f"{batch_size} × world_size {world_size} with drop_last")
 
     # -- order --------------------------------------------------------------------------------
 
     @property
+    def samples(self) -> int:
+        """Images this loader draws from (all ranks together)."""
+        return len(self.pack) if self.subset is None else len(self.subset)
+
+    @property
     def samples_per_rank(self) -> int:
-        return len(self.pack) // self.world_size
+        return self.samples // self.world_size
 
     def __len__(self) -> int:
         n, b = self.samples_per_rank, self.batch_size
@@ -110,8 +117,10 @@ class Loader:
         Rank r takes every world_size-th index from position r, so the k-th batches of all
         ranks together are the k-th batch of one process with world_size × batch_size.
         """
-        n = len(self.pack)
+        n = self.samples
         order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        if self.subset is not None:
+            order = self.subset[order]
         return order[self.rank:: self.world_size][: self.samples_per_rank]
 
     def state_dict(self) -> dict:

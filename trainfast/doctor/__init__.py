@@ -11,7 +11,6 @@ with each candidate fix to measure what it buys.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import shutil
 import tempfile
 import time
@@ -70,33 +69,8 @@ class Report:
 
 def load_model(spec) -> tuple[nn.Module, str]:
     """A model from a registry name, `path/to/file.py:function_or_class`, or an nn.Module."""
-    if isinstance(spec, nn.Module):
-        return spec, type(spec).__name__
-    spec = str(spec)
-    if ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
-        path, name = spec.rsplit(":", 1)
-        p = Path(path)
-        if not p.is_file():
-            raise TrainfastError(f"{path}: no such file")
-        mod_spec = importlib.util.spec_from_file_location(f"_trainfast_user_{p.stem}", p)
-        module = importlib.util.module_from_spec(mod_spec)
-        try:
-            mod_spec.loader.exec_module(module)  # the user's own model code, run on purpose
-        except Exception as e:
-            raise TrainfastError(f"{path}: importing it failed ({type(e).__name__}: {e})") from None
-        fn = getattr(module, name, None)
-        if fn is None:
-            found = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-            raise TrainfastError(f"{path} has no {name!r}; it defines {', '.join(found) or 'nothing callable'}")
-        try:
-            model = fn()
-        except Exception as e:
-            raise TrainfastError(f"{spec}() failed ({type(e).__name__}: {e})") from None
-        if not isinstance(model, nn.Module):
-            raise TrainfastError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module")
-        return model, spec
     try:
-        return models.create(spec), spec
+        return models.load(spec)
     except ValueError as e:
         raise TrainfastError(str(e)) from None
 

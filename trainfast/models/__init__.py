@@ -61,4 +61,42 @@ def create(name: str, **kwargs) -> nn.Module:
     return model
 
 
+def load(spec) -> tuple[nn.Module, str]:
+    """A model from a registered name, 'path/to/file.py:function_or_class', or an nn.Module.
+
+    Returns (model, name). The file is the user's own model code and is run on purpose.
+    Raises ValueError with the reason for a name or file that gives no model.
+    """
+    import importlib.util
+    from pathlib import Path
+
+    if isinstance(spec, nn.Module):
+        return spec, getattr(spec, "registry_name", type(spec).__name__)
+    spec = str(spec)
+    if ":" not in spec or not spec.rsplit(":", 1)[0].endswith(".py"):
+        return create(spec), spec
+    path, name = spec.rsplit(":", 1)
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such file")
+    mod_spec = importlib.util.spec_from_file_location(f"_trainfast_user_{p.stem}", p)
+    module = importlib.util.module_from_spec(mod_spec)
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file failed to import: say how
+        raise ValueError(f"{path}: importing it failed ({type(e).__name__}: {e})") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        found = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
+        raise ValueError(f"{path} has no {name!r}; it defines {', '.join(found) or 'nothing callable'}")
+    try:
+        model = fn()
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{spec}() failed ({type(e).__name__}: {e})") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec}() returned {type(model).__name__}, not a torch.nn.Module")
+    model.registry_name = spec
+    return model, spec
+
+
 from trainfast.models import better, users  # noqa: E402,F401  (registration side effects)

@@ -1,0 +1,63 @@
+import torch
+import torch.nn as nn
+
+from trainfast import tune as tune_mod
+from trainfast.cli import main
+from trainfast.tune import Trial, tune
+
+
+def _net():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    net.output_shape = (4,)
+    return net
+
+
+def _fake(speeds):
+    """A fake clock: images/s as a function of the settings, without running anything."""
+    def measure(model, shape, out, speed, device):
+        speeds.append(speed)
+        rate = 100.0
+        rate *= 2.0 if speed.precision == "bf16" else 1.0
+        rate *= 1.5 if speed.channels_last else 1.0
+        rate *= {32: 0.8, 64: 1.0, 128: 1.2, 256: 1.25, 512: 1.0}.get(speed.batch_size, 1.0)
+        rate *= 0.5 if speed.compile else 1.0
+        loss = 2.0 if speed.precision != "fp16" else float("nan")
+        return Trial(speed, rate, loss)
+    return measure
+
+
+def test_picks_the_fastest_measured_and_caches(monkeypatch):
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+    tried = []
+    r = tune(_net(), (3, 8, 8), device="cpu", measure=_fake(tried), retune=True, log=lambda m: None)
+    assert r.best.precision == "bf16" and r.best.channels_last and r.best.batch_size == 256 and not r.best.compile
+    assert any(s.compile for s in tried)  # compile was measured, and lost
+    assert "bf16 + channels_last + batch 256" in r.table().splitlines()[1]
+    again = []
+    r2 = tune(_net(), (3, 8, 8), device="cpu", measure=_fake(again), log=lambda m: None)
+    assert r2.cached and again == [] and r2.best == r.best
+
+
+def test_unsound_candidates_are_rejected(monkeypatch):
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+
+    def measure(model, shape, out, speed, device):
+        loss = 9.0 if speed.precision == "bf16" else 2.0  # bf16 'diverges' on the same batch
+        return Trial(speed, 1000.0 if speed.precision == "bf16" else 100.0, loss)
+    r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, try_compile=False, measure=measure, retune=True,
+             log=lambda m: None)
+    assert r.best.precision == "fp32" and "rejected" in r.table()
+
+
+def test_pinned_batch_is_kept(monkeypatch):
+    r = tune(_net(), (3, 8, 8), device="cpu", batch_size=32, measure=_fake([]), try_compile=False, retune=True,
+             log=lambda m: None)
+    assert r.best.batch_size == 32
+
+
+def test_real_measurement_and_cli(capsys):
+    assert main(["tune", "--model", "cifar_cnn", "--batch-size", "16", "--no-compile", "--retune"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen:" in out and "fp32 + batch 16" in out
+    t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), tune_mod.Speed(batch_size=8), torch.device("cpu"))
+    assert t.images_per_s > 0 and t.loss > 0

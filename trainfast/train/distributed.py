@@ -1,0 +1,69 @@
+"""Distributed training is PyTorch's DDP launched by torchrun (DESIGN.md, decision 4).
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; `setup()` reads them, joins the process
+group (gloo on CPU, NCCL on CUDA) and picks this process's device. Without torchrun it is
+a world of one and nothing here does anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def setup(device: torch.device) -> World:
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World(device=device)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return World(rank, size, local, device)
+
+
+def wrap(model: torch.nn.Module, world: World) -> torch.nn.Module:
+    if not world.distributed:
+        return model
+    ids = [world.device.index] if world.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def sum_all(values: list[float], world: World) -> list[float]:
+    """Sum a few numbers over all processes (metrics, NaN flags)."""
+    if not world.distributed:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=world.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def cleanup(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""Accuracy for classes and for sequences (per character and whole sequence), the metrics
+CSV, and the PNG curves of loss and accuracy.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import torch
+
+
+def correct(output: torch.Tensor, target: torch.Tensor) -> tuple[float, float, float]:
+    """(correct items, correct whole sequences, items): classes count each image once;
+    sequences (B, L, K) count each position, and whole sequences separately."""
+    pred = output.argmax(-1)
+    hit = pred == target
+    if hit.dim() == 2:
+        return float(hit.sum()), float(hit.all(1).sum()), float(hit.numel())
+    return float(hit.sum()), float(hit.sum()), float(hit.numel())
+
+
+COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_seq_acc", "lr", "images_per_s", "seconds"]
+
+
+class MetricsLog:
+    """metrics.csv in the run directory: one row per epoch, rewritten on resume."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.rows: list[dict] = []
+
+    def load(self, upto_epoch: int) -> None:
+        """Keep the rows of epochs before `upto_epoch` (a resumed run rewrites the rest)."""
+        if self.path.exists():
+            with open(self.path, newline="") as f:
+                self.rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)
+                             if int(float(r["epoch"])) < upto_epoch]
+        self._write()
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, COLUMNS)
+            w.writeheader()
+            for r in self.rows:
+                w.writerow({k: r.get(k, "") for k in COLUMNS})
+        tmp.replace(self.path)
+
+
+def plot_curves(rows: list[dict], path: Path, sequence: bool) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return
+    ep = [r["epoch"] + 1 for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
+    a.plot(ep, [r["val_loss"] for r in rows], "o-", label="validation")
+    a.set_xlabel("epoch"), a.set_ylabel("loss"), a.legend(), a.set_title("loss")
+    b.plot(ep, [r["train_acc"] for r in rows], "o-", label="train" + (" (per character)" if sequence else ""))
+    b.plot(ep, [r["val_acc"] for r in rows], "o-", label="validation" + (" (per character)" if sequence else ""))
+    if sequence:
+        b.plot(ep, [r["val_seq_acc"] for r in rows], "o-", label="validation (whole sequence)")
+    b.set_xlabel("epoch"), b.set_ylabel("accuracy"), b.set_ylim(0, 1), b.legend(), b.set_title("accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

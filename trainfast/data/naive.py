@@ -16,15 +16,19 @@ from trainfast.data.sources import Source
 class PerImageBatches:
     """A Sequence-like object: `len()` batches, `[k]` decodes batch k from the files.
 
-    Each item is read and decoded with Pillow at full size (no DCT scaling, as a plain
-    `Image.open(...).resize(...)` does), converted to float, and stacked: per-sample Python
-    in the hot path, by design. Bad files are skipped.
+    Each item is read and decoded at full size — with Pillow (`Image.open(...).resize(...)`),
+    or with reader="skimage" exactly as the plate story's Sequence does it
+    (`skimage.io.imread` + `skimage.transform.resize`) — converted to float and stacked:
+    per-sample Python in the hot path, by design. Bad files are skipped.
     """
 
-    def __init__(self, source: Source, size: tuple[int, int], batch_size: int, seed: int = 0):
+    def __init__(self, source: Source, size: tuple[int, int], batch_size: int, seed: int = 0,
+                 reader: str = "pil"):
         if source.files is None:
             raise ValueError("PerImageBatches reads files; this source holds arrays")
-        self.source, self.size, self.batch_size = source, tuple(size), batch_size
+        if reader not in ("pil", "skimage"):
+            raise ValueError(f"reader must be pil or skimage, not {reader!r}")
+        self.source, self.size, self.batch_size, self.reader = source, tuple(size), batch_size, reader
         self.order = np.random.default_rng(seed).permutation(len(source))
 
     def __len__(self) -> int:
@@ -36,12 +40,14 @@ class PerImageBatches:
         images, labels = [], []
         for i in self.order[k * self.batch_size: (k + 1) * self.batch_size]:
             try:
-                with open(self.source.files[i], "rb") as f:
-                    data = f.read()
-                img = _decode_full(data, self.size)
-            except (OSError, DecodeError):
+                if self.reader == "skimage":
+                    img = _skimage(self.source.files[i], self.size)
+                else:
+                    with open(self.source.files[i], "rb") as f:
+                        img = torch.from_numpy(_decode_full(f.read(), self.size)).float().div(255)
+            except (OSError, ValueError, DecodeError):
                 continue
-            images.append(torch.from_numpy(img).permute(2, 0, 1).float().div(255))
+            images.append(img.permute(2, 0, 1))
             labels.append(torch.as_tensor(self.source.labels[i]))
         return torch.stack(images), torch.stack(labels)
 
@@ -59,3 +65,11 @@ def _decode_full(data: bytes, size) -> np.ndarray:
     im = Image.open(io.BytesIO(data)).convert("RGB")
     im = im.resize((size[1], size[0]), Image.BILINEAR)
     return np.asarray(im, dtype=np.uint8).copy()
+
+
+def _skimage(path: str, size) -> torch.Tensor:
+    """The story's per-image code: imread, then resize to float64 in [0, 1]."""
+    from skimage.io import imread
+    from skimage.transform import resize
+
+    return torch.from_numpy(resize(imread(path), size)).float()

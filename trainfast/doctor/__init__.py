@@ -105,6 +105,9 @@ def _resolve_data(data, model, batch_size: int, device, seed: int):
                 f"{src.kind} {p} ({len(src)} files, decoded per image per batch)", src, None)
     if isinstance(data, Pack):
         return Loader(data, batch_size, device=device, seed=seed), f"pack {data.path}", None, data
+    if isinstance(data, PerImageBatches):
+        return data, (f"{data.source.kind} {data.source.origin} ({len(data.source)} files, decoded per image "
+                      f"per batch with {data.reader})"), data.source, None
     if isinstance(data, Source):
         shape = model.input_shape
         return PerImageBatches(data, shape[1:], batch_size, seed=seed), f"{data.kind} {data.origin}", data, None

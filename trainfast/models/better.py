@@ -15,29 +15,33 @@ from trainfast.models.layers import conv_bn
 
 
 class PlateNet(nn.Module):
-    """Plate reader: conv stages 32→64→128, then a 1-D head along the plate's width that
-    keeps a 256-wide feature vector for each of the 8 character positions.
+    """Plate reader: conv stages 16→32→64 after a strided stem, then a 1-D head along the
+    plate's width that keeps a 128-wide feature vector for each of the 8 character positions.
     """
 
-    def __init__(self, positions: int = 8, alphabet: int = 36, width: int = 32, dropout: float = 0.1):
+    def __init__(self, positions: int = 8, alphabet: int = 36, width: int = 16, dropout: float = 0.1):
         super().__init__()
         w = width
         self.positions = positions
         self.features = nn.Sequential(
-            conv_bn(3, w), nn.MaxPool2d(2),               # 32×64
+            conv_bn(3, w, stride=2),                      # 32×64: a strided stem, cheap on 3 channels
             conv_bn(w, 2 * w), nn.MaxPool2d(2),           # 16×32
             conv_bn(2 * w, 4 * w), nn.MaxPool2d(2),       # 8×16
-            conv_bn(4 * w, 4 * w),                        # 8×16×128
+            conv_bn(4 * w, 4 * w),                        # 8×16×64
         )
-        self.sequence = nn.Sequential(                    # along the width: (B, C, 16)
-            nn.Conv1d(4 * w, 8 * w, 3, padding=1, bias=False), nn.BatchNorm1d(8 * w), nn.ReLU(inplace=True),
+        # The height (8 rows) folds into channels by a learned (8 × 1) convolution, not a mean:
+        # where a stroke sits vertically is what tells 8 from B.
+        self.collapse = nn.Sequential(nn.Conv2d(4 * w, 8 * w, (8, 1), bias=False), nn.BatchNorm2d(8 * w),
+                                      nn.ReLU(inplace=True))
+        self.sequence = nn.Sequential(                    # along the width: (B, 8w, 16), 5 columns each
+            nn.Conv1d(8 * w, 8 * w, 5, padding=2, bias=False), nn.BatchNorm1d(8 * w), nn.ReLU(inplace=True),
         )
         self.dropout = nn.Dropout(dropout)
         self.classify = nn.Conv1d(8 * w, alphabet, 1)     # the same classifier at each position
 
     def forward(self, x):
-        f = self.features(x).mean(dim=2)                   # (B, C, W/8): pool the height away
-        f = F.adaptive_avg_pool1d(self.sequence(f), self.positions)  # (B, 256, 8)
+        f = self.collapse(self.features(x)).flatten(2)    # (B, 8w, W/8)
+        f = F.adaptive_avg_pool1d(self.sequence(f), self.positions)  # (B, 8w, 8)
         return self.classify(self.dropout(f)).transpose(1, 2)         # (B, 8, 36) logits
 
 

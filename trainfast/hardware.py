@@ -168,27 +168,39 @@ def measure_peaks(device) -> dict:
     return {"matmul_flops": flops, "copy_bytes": copy}
 
 
-def peaks(device, remeasure: bool = False) -> dict:
-    """measure_peaks(device), cached per machine_key in ~/.cache/trainfast/peaks.json."""
+def read_cache(name: str) -> dict:
+    """A JSON cache file under ~/.cache/trainfast ($TRAINFAST_CACHE); {} if absent or unreadable."""
     import json
 
-    path = _cache_dir() / "peaks.json"
-    key = machine_key(device)
     try:
-        cache = json.loads(path.read_text())
+        return json.loads((_cache_dir() / name).read_text())
     except (OSError, ValueError):
-        cache = {}
+        return {}
+
+
+def write_cache(name: str, data: dict) -> None:
+    """Write a JSON cache file atomically; a read-only home just goes uncached."""
+    import json
+
+    path = _cache_dir() / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def peaks(device, remeasure: bool = False) -> dict:
+    """measure_peaks(device), cached per machine_key in ~/.cache/trainfast/peaks.json."""
+    cache = read_cache("peaks.json")
+    key = machine_key(device)
     if not remeasure and key in cache:
         return {**cache[key], "cached": True}
     result = measure_peaks(device)
     cache[key] = result
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home still gets the numbers, just not cached
+    write_cache("peaks.json", cache)
     return {**result, "cached": False}
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
@@ -72,10 +70,6 @@ def _key(model: torch.nn.Module, shape, device: torch.device, pinned_batch, comp
     return h.hexdigest()
 
 
-def _cache_path():
-    return hardware._cache_dir() / "tune.json"
-
-
 def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5, warmup: int = 2) -> Trial:
     """Time `steps` training steps at `speed` on in-memory batches; also the first batch's loss."""
     net = copy.deepcopy(model)
@@ -123,11 +117,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         raise TrainfastError(str(e)) from None
     started = time.perf_counter()
     key = _key(model, input_shape, dev, batch_size, try_compile)
-    path = _cache_path()
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache = hardware.read_cache("tune.json")
     if not retune and key in cache:
         c = cache[key]
         rows = [Trial(Speed(**r["speed"]), r["images_per_s"], r["loss"], r["compile_s"], r["note"]) for r in c["rows"]]
@@ -195,11 +185,5 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             best = t
     result = TuneResult(best.speed, rows, seconds=time.perf_counter() - started)
     cache[key] = {"best": asdict(best.speed), "rows": [r.to_dict() for r in rows]}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    hardware.write_cache("tune.json", cache)
     return result

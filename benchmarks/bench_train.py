@@ -1,0 +1,77 @@
+"""Training-step throughput of the users' three CNNs: PyTorch eager fp32 defaults (what a
+plain loop gets) vs the settings `trainfast tune` picks, with the share of the measured
+peak each reaches (MFU = training FLOPs per second ÷ peak matmul FLOP/s at that precision).
+
+    python benchmarks/bench_train.py [--models cifar_cnn plate_cnn classifier512] [--runs 3]
+
+Each figure is the median of --runs timings of --steps steps after warm-up, on in-memory
+batches (the input side is benchmarked in bench_loader.py). Also: the epoch time for
+50,000 CIFAR-sized images from a raw pack with the tuned settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import trainfast
+from trainfast import hardware, models
+from trainfast.config import Speed
+from trainfast.doctor.cost import layer_costs
+from trainfast.tune import measure_trial, tune
+
+USER_BATCH = {"cifar_cnn": 256, "plate_cnn": 128, "classifier512": 5}
+MAX_BATCH = {"cifar_cnn": 512, "plate_cnn": 512, "classifier512": 32}
+
+
+def rate(net, shape, out, speed, dev, runs, steps):
+    return statistics.median(measure_trial(net, shape, out, speed, dev, steps=steps, warmup=2).images_per_s
+                             for _ in range(runs))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=list(USER_BATCH))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--compile", action="store_true", help="let tune try torch.compile (slow to compile on CPU)")
+    a = p.parse_args()
+    dev = torch.device("cpu")
+    peaks = hardware.peaks(dev)["matmul_flops"]
+    print(f"{hardware.cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"peaks {peaks['float32'] / 1e9:.0f} GFLOP/s fp32, {peaks.get('bfloat16', 0) / 1e9:.0f} bf16")
+    print(f"{'model':14s} {'eager fp32':>22s} {'tuned':>44s} {'ratio':>6s} {'MFU eager':>9s} {'MFU tuned':>9s}")
+    for name in a.models:
+        net = models.create(name)
+        shape, out = net.input_shape, net.output_shape
+        flops = layer_costs(models.create(name), shape, batch=1).train_flops
+        base_speed = Speed(batch_size=USER_BATCH[name])
+        base = rate(net, shape, out, base_speed, dev, a.runs, a.steps)
+        chosen = tune(net, shape, device=dev, max_batch=MAX_BATCH[name], try_compile=a.compile, retune=True,
+                      log=lambda m: None).best
+        best = rate(net, shape, out, chosen, dev, a.runs, a.steps)
+        peak_b = peaks["float32"]
+        peak_t = peaks.get({"bf16": "bfloat16", "fp16": "float16"}.get(chosen.precision, "float32"), peak_b)
+        print(f"{name:14s} {base:10.1f} img/s (bs {USER_BATCH[name]:3d}) {chosen.label():>32s} {best:8.1f} "
+              f"{best / base:6.2f} {base * flops / peak_b:9.1%} {best * flops / peak_t:9.1%}")
+    if "cifar_cnn" in a.models:
+        tmp = Path(tempfile.mkdtemp())
+        images = np.random.default_rng(0).integers(0, 255, (50_000, 32, 32, 3), dtype=np.uint8)
+        pk = trainfast.pack((images, np.arange(50_000) % 10), tmp / "c", size=(32, 32), progress=False)
+        chosen = tune(models.create("cifar_cnn"), (3, 32, 32), device=dev, try_compile=False, log=lambda m: None).best
+        from trainfast.doctor.timing import step_breakdown
+        loader = trainfast.Loader(pk, chosen.batch_size, device=dev)
+        t = time.perf_counter()
+        step_breakdown(models.create("cifar_cnn"), loader, device=dev, speed=chosen, steps=len(loader) - 1, warmup=1)
+        print(f"cifar_cnn: one epoch of 50,000 32×32 images from a raw pack, {chosen.label()}: "
+              f"{time.perf_counter() - t:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

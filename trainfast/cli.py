@@ -21,26 +21,27 @@ class ExitStatus(IntEnum):
     INTERRUPTED = 130
 
 
+def _dims(text: str, n: int, example: str) -> tuple[int, ...]:
+    """'64x128' → (64, 128): n positive integers joined by x (or ×)."""
+    try:
+        values = tuple(int(p) for p in text.lower().replace("×", "x").split("x"))
+    except ValueError:
+        values = ()
+    if n == 2 and len(values) == 1:
+        values *= 2  # '32' is a square
+    if len(values) != n or min(values) < 1:
+        form = "HxW" if n == 2 else "CxHxW"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {form}, e.g. {example}")
+    return values
+
+
 def _size(text: str) -> tuple[int, int]:
     """'64x128' (height × width) or '32' (square) → (64, 128)."""
-    parts = text.lower().replace("×", "x").split("x")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HxW, e.g. 64x128") from None
-    if len(values) == 1:
-        values *= 2
-    if len(values) != 2 or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HxW, e.g. 64x128")
-    return values[0], values[1]
+    return _dims(text, 2, "64x128")
 
 
 def _size3(text: str) -> tuple[int, int, int]:
-    try:
-        c, h, w = (int(v) for v in text.lower().replace("×", "x").split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not CxHxW, e.g. 3x32x32") from None
-    return c, h, w
+    return _dims(text, 3, "3x32x32")
 
 
 def _parser() -> argparse.ArgumentParser:

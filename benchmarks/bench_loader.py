@@ -115,7 +115,6 @@ def main():
     rows = []
     dst = np.empty(pk.images.shape, np.uint8)
     mem = _median_rate(lambda: memcpy_rate(pk.images, dst), a.runs)
-    del dst
     rows.append(("memcpy of the same bytes (limit)", mem))
     u8 = _median_rate(lambda: loader_rate(trainfast.Loader(pk, a.batch, dtype=torch.uint8, device="cpu")), a.runs)
     rows.append(("trainfast.Loader, uint8", u8))

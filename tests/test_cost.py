@@ -1,4 +1,3 @@
-import torch
 import torch.nn as nn
 
 from trainfast.doctor.cost import layer_costs

@@ -6,7 +6,6 @@ that keeps a feature vector per character position. docs/MODELS.md has their mea
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

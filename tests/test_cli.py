@@ -42,3 +42,10 @@ def test_every_subcommand_has_help(command, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: trainfast {command}") and len(out) > 100
+
+
+def test_public_api_names():
+    import trainfast
+    assert callable(trainfast.fit) and callable(trainfast.pack)
+    assert trainfast.Pack and trainfast.Loader and trainfast.Augment
+    assert "cifar_cnn" in trainfast.models.list()

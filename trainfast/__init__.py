@@ -19,6 +19,7 @@ _EXPORTS = {
     "Loader": "trainfast.data.loader",
     "Augment": "trainfast.data.augment",
     "pack": "trainfast.data.pack",
+    "fit": "trainfast.train.trainer",
     "TrainfastError": "trainfast.errors",
     "models": "trainfast.models",
 }

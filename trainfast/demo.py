@@ -59,11 +59,10 @@ QUICK = dict(train=1500, test=300, epochs=2, doctor_steps=3)
 
 
 def _reader() -> str:
-    try:
-        import skimage  # noqa: F401
-        return "skimage"
-    except ImportError:
-        return "pil"
+    """The story's own reader (skimage) when installed (`pip install trainfast[demo]`), else Pillow."""
+    import importlib.util
+
+    return "skimage" if importlib.util.find_spec("skimage") else "pil"
 
 
 def run_demo(cfg: DemoConfig, log=print) -> dict:

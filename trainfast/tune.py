@@ -25,6 +25,7 @@ from trainfast.doctor.timing import step_breakdown, synthetic_batches
 from trainfast.errors import TrainfastError
 
 LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
+_DEFAULT_THREADS = torch.get_num_threads()  # restored after a trial that pins threads
 
 
 @dataclass
@@ -96,8 +97,6 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
             torch.set_num_threads(_DEFAULT_THREADS)
     return Trial(speed, rate, float(loss), compile_s)
 
-
-_DEFAULT_THREADS = torch.get_num_threads()
 
 
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,

@@ -6,8 +6,11 @@ trainfast never trains from this; the doctor times it, and the demo shows what i
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import torch
+from PIL import Image
 
 from trainfast.data.decode import DecodeError
 from trainfast.data.sources import Source
@@ -58,10 +61,6 @@ class PerImageBatches:
 
 def _decode_full(data: bytes, size) -> np.ndarray:
     """Decode at full resolution, then resize: what users' code does (no JPEG draft mode)."""
-    import io
-
-    from PIL import Image
-
     im = Image.open(io.BytesIO(data)).convert("RGB")
     im = im.resize((size[1], size[0]), Image.BILINEAR)
     return np.asarray(im, dtype=np.uint8).copy()

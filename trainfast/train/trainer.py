@@ -262,7 +262,8 @@ def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Spe
     try:
         while state["epoch"] < cfg.epochs:
             epoch = state["epoch"]
-            loader.set_epoch(epoch) if loader.position == 0 else None
+            if loader.position == 0:
+                loader.set_epoch(epoch)
             started, done_before = time.perf_counter(), loader.position
             bar = tqdm(total=steps_per_epoch, initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.epochs}",
                        unit="step", disable=not (progress and world.is_main), dynamic_ncols=True, leave=True)
@@ -318,7 +319,8 @@ def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Spe
         say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm) if world.is_main else None
+        if world.is_main:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         distributed.barrier(world)
     result = FitResult(run_dir, log_csv.rows, state["best"], speed, stopped)
     return result

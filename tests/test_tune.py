@@ -3,6 +3,7 @@ import torch.nn as nn
 
 from trainfast import tune as tune_mod
 from trainfast.cli import main
+from trainfast.models import rewrite
 from trainfast.tune import Trial, tune
 
 
@@ -21,6 +22,7 @@ def _fake(speeds):
         rate *= 1.5 if speed.channels_last else 1.0
         rate *= {32: 0.8, 64: 1.0, 128: 1.2, 256: 1.25, 512: 1.0}.get(speed.batch_size, 1.0)
         rate *= 0.5 if speed.compile else 1.0
+        rate *= 1.2 if speed.rewrites else 1.0
         loss = 2.0 if speed.precision != "fp16" else float("nan")
         return Trial(speed, rate, loss)
     return measure
@@ -31,8 +33,9 @@ def test_picks_the_fastest_measured_and_caches(monkeypatch):
     tried = []
     r = tune(_net(), (3, 8, 8), device="cpu", measure=_fake(tried), retune=True, log=lambda m: None)
     assert r.best.precision == "bf16" and r.best.channels_last and r.best.batch_size == 256 and not r.best.compile
+    assert r.best.rewrites == rewrite.ALL
     assert any(s.compile for s in tried)  # compile was measured, and lost
-    assert "bf16 + channels_last + batch 256" in r.table().splitlines()[1]
+    assert "bf16 + channels_last + batch 256 + rewrites" in r.table().splitlines()[1]
     again = []
     r2 = tune(_net(), (3, 8, 8), device="cpu", measure=_fake(again), log=lambda m: None)
     assert r2.cached and again == [] and r2.best == r.best
@@ -61,3 +64,10 @@ def test_real_measurement_and_cli(capsys):
     assert "chosen:" in out and "fp32 + batch 16" in out
     t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), tune_mod.Speed(batch_size=8), torch.device("cpu"))
     assert t.images_per_s > 0 and t.loss > 0
+
+
+def test_rewrites_can_be_left_out(monkeypatch):
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+    tried = []
+    r = tune(_net(), (3, 8, 8), device="cpu", measure=_fake(tried), try_rewrites=False, retune=True, log=lambda m: None)
+    assert not r.best.rewrites and not any(s.rewrites for s in tried)

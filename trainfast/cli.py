@@ -44,6 +44,16 @@ def _size3(text: str) -> tuple[int, int, int]:
     return _dims(text, 3, "3x32x32")
 
 
+def _rewrites(text: str) -> tuple[str, ...]:
+    """'all', 'none' or 'pool_before_relu,inplace_relu' → the pass names."""
+    from trainfast.models import rewrite
+
+    names = rewrite.ALL if text == "all" else () if text == "none" else tuple(n for n in text.split(",") if n)
+    if reason := rewrite.check(names):
+        raise argparse.ArgumentTypeError(reason)
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trainfast",
@@ -128,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--max-batch", type=int, default=512, help="largest batch tried (default: 512)")
     tu.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     tu.add_argument("--no-compile", action="store_true", help="do not try torch.compile (slow to compile on CPU)")
+    tu.add_argument("--no-rewrites", action="store_true", help="do not try the exact model rewrites "
+                    "(pool_before_relu, inplace_relu, cheap_dropout; see docs/MODELS.md)")
     tu.add_argument("--retune", action="store_true", help="measure again instead of using the cached choice")
 
     tr = sub.add_parser(
@@ -162,6 +174,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--channels-last", action="store_true", default=None, help="pin channels_last on")
     tr.add_argument("--compile", action="store_true", default=None, help="pin torch.compile on")
     tr.add_argument("--threads", type=int, default=0, help="pin CPU threads")
+    tr.add_argument("--rewrites", type=_rewrites, default=None, metavar="NAMES",
+                    help="pin the model rewrites: all, none, or names joined by commas (default: tuned)")
     tr.add_argument("--translate", type=int, default=0, help="augment: random shift up to N pixels")
     tr.add_argument("--crop-pad", type=int, default=0, help="augment: random crop after reflect-padding N")
     tr.add_argument("--flip", action="store_true", help="augment: horizontal flip (not for text)")
@@ -275,7 +289,7 @@ def _cmd_tune(a) -> ExitStatus:
         raise TrainfastError("give --input-shape CxHxW or --pack for a model without .input_shape")
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     result = tune(model, shape, device=a.device, batch_size=a.batch_size, max_batch=a.max_batch,
-                  try_compile=not a.no_compile, retune=a.retune, log=log)
+                  try_compile=not a.no_compile, try_rewrites=not a.no_rewrites, retune=a.retune, log=log)
     print(result.table())
     return ExitStatus.OK
 
@@ -304,7 +318,7 @@ def _cmd_train(a) -> ExitStatus:
                       contrast=a.contrast, cutout=a.cutout)
         pinned = {k: v for k, v in (("precision", a.precision), ("channels_last", a.channels_last),
                                     ("compile", a.compile), ("batch_size", a.batch_size),
-                                    ("threads", a.threads or None)) if v is not None}
+                                    ("threads", a.threads or None), ("rewrites", a.rewrites)) if v is not None}
         result = fit(a.model, a.pack, a.val, config=cfg, pin=pinned, tune=not a.no_tune, augment=aug,
                      device=a.device, run_dir=a.run_dir, progress=not a.quiet, log=log)
     log(f"best validation accuracy {result.best:.2%} ({result.stopped}); outputs in {result.run_dir}")

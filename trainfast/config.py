@@ -84,11 +84,16 @@ class Speed:
     """Images per step (per process under torchrun)."""
     threads: int = 0
     """Intra-op CPU threads; 0 leaves torch's default."""
+    rewrites: tuple[str, ...] = ()
+    """Exact rewrite passes run on the model (trainfast.models.rewrite), e.g. pool_before_relu."""
+
+    def __post_init__(self):
+        self.rewrites = tuple(self.rewrites)  # from JSON it arrives as a list
 
     def label(self) -> str:
         parts = [self.precision] + (["channels_last"] if self.channels_last else []) \
             + (["compile"] if self.compile else []) + [f"batch {self.batch_size}"] \
-            + ([f"{self.threads} threads"] if self.threads else [])
+            + ([f"{self.threads} threads"] if self.threads else []) + (["rewrites"] if self.rewrites else [])
         return " + ".join(parts)
 
     def to_dict(self) -> dict:

@@ -2,8 +2,9 @@
 sound one, and cache the choice.
 
 The search is pruned, not exhaustive: (1) precision × memory format at the starting batch;
-(2) batch sizes, powers of two, with the winner of (1), until throughput stops rising or
-memory runs out; (3) CPU threads, if torch uses fewer than the physical cores; (4)
+(2) the exact rewrite passes (trainfast.models.rewrite) on the winner, all together;
+(3) batch sizes, powers of two, with the winner so far, until throughput stops rising or
+memory runs out; (4) CPU threads, if torch uses fewer than the physical cores; (5)
 torch.compile of the winner (its compile time reported apart). A candidate counts only if
 its loss on the same first batch, from the same weights, is finite and within 5% of fp32's.
 """
@@ -23,6 +24,7 @@ from trainfast import step as _step
 from trainfast.config import Speed
 from trainfast.doctor.timing import step_breakdown, synthetic_batches
 from trainfast.errors import TrainfastError
+from trainfast.models import rewrite
 
 LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
 _DEFAULT_THREADS = torch.get_num_threads()  # restored after a trial that pins threads
@@ -100,7 +102,7 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
 
 
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
-         max_batch: int = 512, try_compile: bool = True, retune: bool = False,
+         max_batch: int = 512, try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
          measure: Callable[..., Trial] | None = None, log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
@@ -108,6 +110,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         batch_size: pin the batch size (else start at 64 and search powers of two).
         max_batch: the largest batch tried.
         try_compile: include torch.compile of the winner (slow to compile on CPU).
+        try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
         measure: replaces measure_trial (tests inject a fake clock here).
     """
     try:
@@ -115,7 +118,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     except ValueError as e:
         raise TrainfastError(str(e)) from None
     started = time.perf_counter()
-    key = _key(model, input_shape, dev, batch_size, try_compile)
+    key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites))
     cache = hardware.read_cache("tune.json")
     if not retune and key in cache:
         c = cache[key]
@@ -137,7 +140,8 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         log(f"  {speed.label():44s} {shown}")
         return trial
 
-    log(f"tuning on {dev}: precision × memory format, then batch size, threads{', compile' if try_compile else ''}")
+    log(f"tuning on {dev}: precision × memory format{', rewrites' if try_rewrites else ''}, then batch size, "
+        f"threads{', compile' if try_compile else ''}")
     start_batch = batch_size or 64
     ref = run(Speed("fp32", False, batch_size=start_batch))
     if ref.images_per_s is None:
@@ -157,6 +161,10 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         return ok
 
     best = max((t for t in rows if sound(t)), key=lambda t: t.images_per_s)
+    if try_rewrites:
+        t = run(replace(best.speed, rewrites=rewrite.ALL))
+        if sound(t) and t.images_per_s > best.images_per_s * 1.03:
+            best = t
     if batch_size is None:
         b = start_batch
         while b * 2 <= max_batch:

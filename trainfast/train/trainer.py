@@ -182,7 +182,8 @@ def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Spe
             from trainfast.tune import tune as _tune
             h, w, c = train_pk.shape
             result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"),
-                           try_compile=pin.get("compile", True), log=say if progress else (lambda m: None))
+                           try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin,
+                           log=say if progress else (lambda m: None))
             speed, tune_table = replace(result.best, **pin), [r.to_dict() for r in result.rows]
             say(result.table())
         else:

@@ -149,14 +149,25 @@ class Loader:
                     if batch is None:
                         break
                     inflight.append(self._pool.submit(self._gather, batch))
-                images, labels = inflight.popleft().result()
-                out = self._finish(images, labels, epoch, k)
+                out = self._finish(*inflight.popleft().result(), epoch, k)
                 self.position = k + 1
                 yield out
         finally:
             for f in inflight:
                 f.cancel()
         self.epoch, self.position = epoch + 1, 0
+
+    def batch(self, k: int, epoch: int | None = None):
+        """The k-th batch of `epoch` (default: the current one), made now in this thread: the same
+        images, labels and augmentations as the k-th batch that iterating yields. For random
+        access, e.g. trainfast.keras.PackDataset."""
+        epoch = self.epoch if epoch is None else epoch
+        if not 0 <= k < len(self):
+            raise IndexError(f"batch {k} is out of range for {len(self)} batches")
+        if getattr(self, "_order", (None,))[0] != epoch:  # one permutation per epoch, not per batch
+            self._order = (epoch, self.indices(epoch))
+        b = self.batch_size
+        return self._finish(*self._gather(self._order[1][k * b: (k + 1) * b]), epoch, k)
 
     def _gather(self, idx: np.ndarray):
         """Host side of one batch (runs in a worker thread): uint8 (B, H, W, C) + labels."""

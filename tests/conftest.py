@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+os.environ.setdefault("KERAS_BACKEND", "torch")  # Keras tests run without TensorFlow
+
 
 def write_images(root, classes=("cat", "dog"), per_class=12, seed=0, ext=".jpg"):
     """A Keras-style folder: root/<class>/<i><ext>, photos of random size and content."""

@@ -31,10 +31,11 @@ class SlowDecode:
 
 
 def test_input_bound_pipeline_has_true_data_share():
-    data = SlowDecode(per_item=0.003)
+    data = SlowDecode(per_item=0.006)
     t = step_breakdown(_net(), data, device=torch.device("cpu"), steps=12, warmup=2)
-    # the true wait is 8 × 3 ms = 24 ms per batch, plus a little for the tensors
-    assert 0.022 <= t.data <= 0.045
+    # the true wait is 8 × 6 ms = 48 ms per batch, plus a little for the tensors; the tiny
+    # net's step is a few ms (tens on a loaded machine), so data is well over half
+    assert 0.046 <= t.data <= 0.080
     assert t.share("data") > 0.5
     assert abs(sum(getattr(t, s) for s in ("data", "copy", "forward", "backward", "optimizer", "other")) - t.step) < 1e-6
 

@@ -106,11 +106,19 @@ def _parser() -> argparse.ArgumentParser:
                     "(input-, compute- or overhead-bound), and measure the candidate fixes on the spot.",
         epilog="MODEL: a built-in name (see `trainfast models`) or path/to/file.py:function_or_class returning "
                "an nn.Module. DATA: a pack, or an image folder / CSV, timed as the per-image pipeline users "
-               "write. Example: trainfast doctor --model plate_cnn --data plates/labels.csv --batch-size 128")
-    dr.add_argument("--model", required=True, help="built-in name or file.py:function")
-    dr.add_argument("--data", required=True, help="a pack, an image folder or a CSV")
+               "write. Example: trainfast doctor --model plate_cnn --data plates/labels.csv --batch-size 128\n\n"
+               "Your own script, unedited: trainfast doctor [--steps N] [--seconds S] -- python train.py [ARGS]\n"
+               "(or -- python -m package.module). It runs here with probes on the DataLoader, backward, the\n"
+               "optimizer step and Keras fit, is stopped after N steps, and the report names the functions\n"
+               "the data time goes to.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    dr.add_argument("--model", help="built-in name or file.py:function")
+    dr.add_argument("--data", help="a pack, an image folder or a CSV")
     dr.add_argument("--batch-size", type=int, default=64, help="images per step (default: 64)")
-    dr.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (default: 20)")
+    dr.add_argument("--steps", type=int, default=None,
+                    help="timed steps after warm-up (default: 20; 50 for a script)")
+    dr.add_argument("--seconds", type=float, default=120.0,
+                    help="script mode: stop the script after this long at most (default: 120)")
     dr.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     dr.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="settings to diagnose (default: fp32, PyTorch's default)")
@@ -235,9 +243,20 @@ def _cmd_doctor(a) -> ExitStatus:
     from trainfast.doctor import doctor
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-    report = doctor(a.model, a.data, batch_size=a.batch_size, steps=a.steps, device=a.device,
-                    speed=Speed(precision=a.precision, channels_last=a.channels_last),
-                    try_fixes=not a.no_fixes, remeasure=a.remeasure, log=log)
+    if a.script is not None:
+        from trainfast.doctor.script import doctor_script
+        if a.model or a.data:
+            raise TrainfastError("give either --model and --data, or a script after --, not both")
+        report = doctor_script(a.script, steps=a.steps or 50, seconds=a.seconds, log=log)
+        if report.error:
+            print(report.error, file=sys.stderr, end="" if report.error.endswith("\n") else "\n")
+    elif not (a.model and a.data):
+        raise TrainfastError("give --model and --data, or your training script after --, e.g. "
+                             "trainfast doctor -- python train.py")
+    else:
+        report = doctor(a.model, a.data, batch_size=a.batch_size, steps=a.steps or 20, device=a.device,
+                        speed=Speed(precision=a.precision, channels_last=a.channels_last),
+                        try_fixes=not a.no_fixes, remeasure=a.remeasure, log=log)
     if a.json == "-":
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -247,6 +266,8 @@ def _cmd_doctor(a) -> ExitStatus:
     if a.html:
         _write(a.html, report.html())
         log(f"HTML report: {a.html}")
+    if a.script is not None and (report.error or not report.steps):
+        return ExitStatus.ERROR  # the script failed, or never trained: nothing was diagnosed in full
     return ExitStatus.OK
 
 
@@ -350,7 +371,14 @@ def _cmd_make_plates(a) -> ExitStatus:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trainfast`; returns the exit status (tests call it in-process)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script = None
+    if argv[:1] == ["doctor"] and "--" in argv:  # trainfast doctor [options] -- python train.py ...
+        cut = argv.index("--")
+        argv, script = argv[:cut], argv[cut + 1:]
     args = _parser().parse_args(argv)
+    if args.command == "doctor":
+        args.script = script
     try:
         return int(globals()[f"_cmd_{args.command.replace('-', '_')}"](args))
     except TrainfastError as e:

@@ -1,0 +1,172 @@
+"""`trainfast doctor -- python SCRIPT`: real scripts, run in-process, stopped and diagnosed."""
+
+import json
+import textwrap
+
+import pytest
+
+from trainfast.cli import main
+from trainfast.doctor.script import doctor_script
+from trainfast.errors import TrainfastError
+
+KERAS_SEQUENCE = '''
+import csv, math, os, sys
+import numpy as np
+import keras
+from keras import layers
+from skimage.io import imread
+from skimage.transform import resize
+
+ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+root = sys.argv[1]
+rows = list(csv.reader(open(os.path.join(root, "labels.csv"))))[1:]
+
+
+class Plates(keras.utils.Sequence):
+    """What the license-plate story's user wrote: decode and resize every image of every batch."""
+
+    def __init__(self, rows, batch_size=16):
+        super().__init__()
+        self.rows, self.batch_size = rows, batch_size
+
+    def __len__(self):
+        return math.ceil(len(self.rows) / self.batch_size)
+
+    def __getitem__(self, i):
+        chunk = self.rows[i * self.batch_size:(i + 1) * self.batch_size]
+        x = np.stack([resize(imread(os.path.join(root, p)), (64, 128)) for p, _ in chunk]).astype("float32")
+        y = np.array([[ALPHABET.index(c) for c in plate] for _, plate in chunk])
+        return x, y
+
+
+model = keras.Sequential([keras.Input((64, 128, 3)), layers.Conv2D(8, 3, activation="relu"),
+                          layers.MaxPooling2D(4), layers.Flatten(), layers.Dense(8 * 36), layers.Reshape((8, 36))])
+model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(Plates(rows), epochs=5, verbose=0)
+open(sys.argv[2], "w").write("finished")
+'''
+
+TORCH_IN_MEMORY = '''
+import sys
+import torch
+import torch.nn as nn
+
+torch.manual_seed(0)
+x, y = torch.rand(512, 3, 32, 32), torch.randint(0, 10, (512,))
+net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+opt = torch.optim.SGD(net.parameters(), lr=0.05)
+FAIL_AT = int(sys.argv[1]) if len(sys.argv) > 1 else -1
+
+
+def train_step(step, xb, yb):
+    if step == FAIL_AT:
+        raise RuntimeError("the user's bug at step %d" % step)
+    loss = nn.functional.cross_entropy(net(xb), yb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+for epoch in range(50):
+    for i, k in enumerate(range(0, 512, 64)):
+        train_step(epoch * 8 + i, x[k:k + 64], y[k:k + 64])
+'''
+
+
+@pytest.fixture(scope="module")
+def plates_dir(tmp_path_factory):
+    from trainfast.datasets.plates import make_plates
+    root = tmp_path_factory.mktemp("plates")
+    make_plates(root, count=120, seed=3, progress=False)
+    return root
+
+
+def _script(tmp_path, text, name="train.py"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_keras_sequence_with_skimage_is_input_bound_and_the_culprit_is_named(tmp_path, plates_dir):
+    pytest.importorskip("keras")
+    script = _script(tmp_path, KERAS_SEQUENCE)
+    marker = tmp_path / "finished.txt"
+    r = doctor_script(["python", str(script), str(plates_dir), str(marker)], steps=4, log=lambda m: None)
+    assert r.framework == "keras" and r.stopped == "stopped after the requested steps"
+    assert len(r.timed) == 4 and not marker.exists()  # --steps honoured, the script stopped before its end
+    assert r.data_share >= 0.20 and r.verdict.startswith("highly input-bound")
+    names = [n for n, _ in r.data_functions]
+    assert "skimage.transform.resize" in names[:4], names
+    assert "skimage.io.imread" in names, names
+    assert any("skimage.transform.resize" in f for f in r.findings)
+    assert r.model["params"] == sum(l["params"] for l in r.layers) > 0
+    assert r.data_source["kind"].startswith("keras PyDataset")
+
+
+def test_pytorch_in_memory_is_not_input_bound(tmp_path):
+    script = _script(tmp_path, TORCH_IN_MEMORY)
+    r = doctor_script(["python", str(script)], steps=6, log=lambda m: None)
+    assert r.framework == "pytorch" and len(r.timed) == 6
+    assert r.verdict.startswith("not input-bound")
+    assert r.mean("backward") > 0 and r.mean("optimizer") > 0
+    assert r.devices["model"] == ["cpu"]
+    assert r.model["input_shape"] == [3, 32, 32] and r.model["params"] == 10_474
+    assert "Where the time goes" in r.text()
+
+
+def test_a_failing_script_shows_its_own_traceback_and_what_was_measured(tmp_path, capsys):
+    script = _script(tmp_path, TORCH_IN_MEMORY)
+    code = main(["doctor", "--steps", "50", "--", "python", str(script), "5"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "RuntimeError: the user's bug at step 5" in err and f'File "{script}"' in err
+    assert "runpy" not in err and "trainfast/doctor" not in err  # the traceback is the script's own
+    assert "the script failed" in out and "3 timed steps after 2 warm-up" in out
+
+
+def test_a_script_that_never_trains_is_told_so(tmp_path, capsys):
+    script = _script(tmp_path, '''
+        import time
+
+        def wait_for_the_network_drive():
+            t = time.time()
+            while time.time() - t < 30:
+                sum(range(10000))
+
+        wait_for_the_network_drive()
+    ''')
+    code = main(["doctor", "--seconds", "1", "--", "python", str(script)])
+    out, _ = capsys.readouterr()
+    assert code == 1
+    assert "never trained" in out and "time limit reached" in out
+    assert "train.py:wait_for_the_network_drive" in out
+
+
+def test_json_output_and_module_mode(tmp_path, capsys, monkeypatch):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    _script(pkg, TORCH_IN_MEMORY, name="train.py")
+    monkeypatch.chdir(tmp_path)
+    assert main(["doctor", "--steps", "3", "--json", "-", "--", "python", "-m", "mypkg.train"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["framework"] == "pytorch" and d["schema"] == 1 and len(d["steps"]) == 5
+    assert d["verdict"].startswith("not input-bound")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["doctor", "--", "python", "no_such_script.py"], "no_such_script.py: no such script"),
+    (["doctor", "--", "python", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+    (["doctor", "--"], "give the command after --"),
+    (["doctor", "--model", "cifar_cnn", "--", "python", "x.py"], "not both"),
+    (["doctor"], "give --model and --data, or your training script after --"),
+])
+def test_bad_commands_get_clear_errors(argv, message, capsys):
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_steps_must_be_positive():
+    with pytest.raises(TrainfastError, match="--steps must be ≥ 1"):
+        doctor_script(["python", "x.py"], steps=0)

@@ -170,3 +170,25 @@ def test_bad_commands_get_clear_errors(argv, message, capsys):
 def test_steps_must_be_positive():
     with pytest.raises(TrainfastError, match="--steps must be ≥ 1"):
         doctor_script(["python", "x.py"], steps=0)
+
+
+def _report_with(data_source, data_functions):
+    from trainfast.doctor.script import ScriptReport, Step, _findings
+    steps = [Step(seconds=0.1, data=0.03, batch_size=64) for _ in range(6)]
+    system = {"device": "cpu", "usable_cores": 2, "torch_threads": 2, "cuda_available": False}
+    r = ScriptReport(command=["python", "t.py"], framework="keras", stopped="", steps=steps, warmup=2,
+                     system=system, data_source=data_source, data_functions=data_functions)
+    return _findings(r)
+
+
+def test_findings_blame_a_named_function_only_when_it_holds_the_time():
+    slow = _report_with({"kind": "keras PyDataset (S)"}, [("skimage.transform.resize", 0.6)])
+    assert "most of it in skimage.transform.resize (60% of the data time)" in slow[0]
+    minor = _report_with({"kind": "keras PyDataset (S)"}, [("numpy.take", 0.04)])
+    assert "numpy.take" not in minor[0] and "trainfast pack" in minor[0]
+
+
+def test_findings_on_a_pack_reader_do_not_advise_packing():
+    out = _report_with({"kind": "keras PyDataset (PackDataset)", "reads": "a trainfast pack"}, [("numpy.take", 0.04)])
+    assert "already come from a trainfast pack" in out[0] and "2 cores" in out[0]
+    assert "do that once" not in " ".join(out)

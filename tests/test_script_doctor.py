@@ -2,6 +2,7 @@
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +193,20 @@ def test_findings_on_a_pack_reader_do_not_advise_packing():
     out = _report_with({"kind": "keras PyDataset (PackDataset)", "reads": "a trainfast pack"}, [("numpy.take", 0.04)])
     assert "already come from a trainfast pack" in out[0] and "2 cores" in out[0]
     assert "do that once" not in " ".join(out)
+
+
+def test_the_keras_example_diagnosed_on_a_pack(tmp_path, plates_dir):
+    """docs/KERAS.md's example, switched to a pack: the doctor sees the pack reader and does not advise packing."""
+    pytest.importorskip("keras")
+    pytest.importorskip("skimage")
+    import trainfast
+    pack = trainfast.pack(plates_dir / "labels.csv", tmp_path / "plates.pack", size=(64, 128), label_column="plate",
+                          alphabet="0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ", progress=False)
+    example = Path(__file__).resolve().parents[1] / "examples" / "keras_plates.py"
+    r = doctor_script(["python", str(example), str(plates_dir), "--pack", str(pack.path), "--batch-size", "16"],
+                      steps=4, log=lambda m: None)
+    assert r.framework == "keras" and len(r.timed) == 4, r.stopped
+    assert r.data_source == {"kind": "keras PyDataset (PackDataset)", "workers": 1, "use_multiprocessing": False,
+                             "reads": "a trainfast pack"}
+    assert not any("do that once" in f for f in r.findings)
+    assert r.model["params"] == 264_560

@@ -210,3 +210,25 @@ def test_the_keras_example_diagnosed_on_a_pack(tmp_path, plates_dir):
                              "reads": "a trainfast pack"}
     assert not any("do that once" in f for f in r.findings)
     assert r.model["params"] == 264_560
+
+
+def test_the_command_exits_though_the_stopped_script_left_threads_behind(tmp_path):
+    """A script stopped mid-run may leave threads that would block a normal interpreter exit
+    (TensorFlow's prefetch iterator does); the command still ends, with the report printed."""
+    import subprocess
+    import sys
+    script = _script(tmp_path, '''
+        import threading, torch
+        threading.Thread(target=threading.Event().wait).start()  # never ends, not a daemon
+        data = torch.utils.data.TensorDataset(torch.rand(800, 4), torch.randint(0, 2, (800,)))
+        net = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for x, y in torch.utils.data.DataLoader(data, batch_size=8):
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    ''')
+    p = subprocess.run([sys.executable, "-m", "trainfast", "doctor", "--steps", "3", "--", "python", str(script)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "VERDICT" in p.stdout and "3 timed steps" in p.stdout

@@ -7,6 +7,7 @@ Parsing is declarations only; each `_cmd_*` calls the API and prints. A Trainfas
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from enum import IntEnum
 
@@ -266,8 +267,10 @@ def _cmd_doctor(a) -> ExitStatus:
     if a.html:
         _write(a.html, report.html())
         log(f"HTML report: {a.html}")
-    if a.script is not None and (report.error or not report.steps):
-        return ExitStatus.ERROR  # the script failed, or never trained: nothing was diagnosed in full
+    if a.script is not None:
+        a.cut_short = not report.stopped.startswith("the script finished")
+        if report.error or not report.steps:
+            return ExitStatus.ERROR  # the script failed, or never trained: nothing was diagnosed in full
     return ExitStatus.OK
 
 
@@ -371,6 +374,7 @@ def _cmd_make_plates(a) -> ExitStatus:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trainfast`; returns the exit status (tests call it in-process)."""
+    argv_is_the_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     script = None
     if argv[:1] == ["doctor"] and "--" in argv:  # trainfast doctor [options] -- python train.py ...
@@ -380,7 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         args.script = script
     try:
-        return int(globals()[f"_cmd_{args.command.replace('-', '_')}"](args))
+        code = int(globals()[f"_cmd_{args.command.replace('-', '_')}"](args))
+        if argv_is_the_command_line and getattr(args, "cut_short", False):
+            # The user's script was stopped mid-run (or failed). Threads it started can then block
+            # the interpreter's exit for ever: TensorFlow's prefetch iterator, for one, waits in its
+            # destructor for a generator that will never be called again. The report is out;
+            # leave without waiting for them.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     except TrainfastError as e:
         print(f"trainfast {args.command}: error: {e}", file=sys.stderr)
         return int(ExitStatus.ERROR)

@@ -3,6 +3,12 @@ plain loop gets) vs the settings `trainfast tune` picks, with the share of the m
 peak each reaches (MFU = training FLOPs per second ÷ peak matmul FLOP/s at that precision).
 
     python benchmarks/bench_train.py [--models cifar_cnn plate_cnn classifier512] [--runs 3]
+    python benchmarks/bench_train.py --sweep --models cifar_cnn plate_cnn
+
+--sweep also times every combination of precision × memory format × rewrites × batch size
+(powers of two from 32 to the cap; no torch.compile) and checks tune's pruned choice against
+the best of the exhaustive sweep: the sweep's three fastest are timed again --runs times
+beside tune's choice, so that the winner of many noisy single runs is not favoured.
 
 Each figure is the median of --runs timings of --steps steps after warm-up, on in-memory
 batches (the input side is benchmarked in bench_loader.py). Also: the epoch time for
@@ -24,6 +30,7 @@ import trainfast
 from trainfast import hardware, models
 from trainfast.config import Speed
 from trainfast.doctor.cost import layer_costs
+from trainfast.models import rewrite
 from trainfast.tune import measure_trial, tune
 
 USER_BATCH = {"cifar_cnn": 256, "plate_cnn": 128, "classifier512": 5}
@@ -35,12 +42,34 @@ def rate(net, shape, out, speed, dev, runs, steps):
                              for _ in range(runs))
 
 
+def sweep(name: str, chosen: Speed, dev, runs: int, steps: int) -> None:
+    """tune's choice vs the best of every combination it prunes away."""
+    net = models.create(name)
+    shape, out = net.input_shape, net.output_shape
+    batches = [b for b in (32, 64, 128, 256, 512) if b <= MAX_BATCH[name]]
+    grid = [Speed(p, cl, batch_size=b, rewrites=rw) for p in ("fp32", "bf16") for cl in (False, True)
+            for rw in ((), rewrite.ALL) for b in batches]
+    t = time.perf_counter()
+    once = sorted(((measure_trial(net, shape, out, s, dev, steps=steps, warmup=2).images_per_s or 0.0, s)
+                   for s in grid), key=lambda r: -r[0])
+    top = [s for _, s in once[:3]]
+    again = {s.label(): rate(net, shape, out, s, dev, runs, steps) for s in top + [chosen]}
+    best_label = max((s.label() for s in top), key=again.get)
+    share = again[chosen.label()] / again[best_label]
+    print(f"{name}: exhaustive sweep of {len(grid)} settings in {time.perf_counter() - t:.0f} s; best "
+          f"{best_label} {again[best_label]:,.0f} img/s; tune's {chosen.label()} {again[chosen.label()]:,.0f} "
+          f"img/s = {share:.1%} of it (target ≥ 95%)")
+    for r, s in once[:8]:
+        print(f"    {s.label():44s} {r:8,.0f} (single run)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(USER_BATCH))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compile", action="store_true", help="let tune try torch.compile (slow to compile on CPU)")
+    p.add_argument("--sweep", action="store_true", help="also check tune's choice against an exhaustive sweep")
     a = p.parse_args()
     dev = torch.device("cpu")
     peaks = hardware.peaks(dev)["matmul_flops"]
@@ -59,7 +88,9 @@ def main():
         peak_b = peaks["float32"]
         peak_t = peaks.get({"bf16": "bfloat16", "fp16": "float16"}.get(chosen.precision, "float32"), peak_b)
         print(f"{name:14s} {base:10.1f} img/s (bs {USER_BATCH[name]:3d}) {chosen.label():>32s} {best:8.1f} "
-              f"{best / base:6.2f} {base * flops / peak_b:9.1%} {best * flops / peak_t:9.1%}")
+              f"{best / base:6.2f} {base * flops / peak_b:9.1%} {best * flops / peak_t:9.1%}", flush=True)
+        if a.sweep:
+            sweep(name, chosen, dev, a.runs, a.steps)
     if "cifar_cnn" in a.models:
         tmp = Path(tempfile.mkdtemp())
         images = np.random.default_rng(0).integers(0, 255, (50_000, 32, 32, 3), dtype=np.uint8)

@@ -63,10 +63,16 @@ def cifar_cnn() -> keras.Model:
 MODELS = {"plate_cnn": plate_cnn, "classifier512": classifier512, "cifar_cnn": cifar_cnn}
 
 
-def build(name: str, policy: str) -> keras.Model:
+def build_plain(name: str, policy: str) -> keras.Model:
+    """The model under a precision policy ("float32", "mixed_bfloat16"), not compiled."""
     keras.mixed_precision.set_global_policy(policy)
     model = MODELS[name]()
     assert model.count_params() == PARAMS[name], (name, model.count_params())
+    return model
+
+
+def build(name: str, policy: str) -> keras.Model:
+    model = build_plain(name, policy)
     model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model

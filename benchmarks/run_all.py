@@ -1,0 +1,53 @@
+"""Every benchmark of docs/BENCHMARKS.md, one after another, each in its own process, with
+its output printed and kept in OUT/NAME.txt.
+
+    pip install -e ".[bench]"
+    python benchmarks/run_all.py [--out bench-results] [--only vs_keras plates_e2e]
+
+About an hour on 2 CPU cores. Leave the machine otherwise idle while it runs: every figure is
+a throughput, and anything else running shows up in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SUITE = {  # name: the arguments of benchmarks/bench_NAME.py
+    "pack": [],
+    "loader": ["--runs", "5"],
+    "train": ["--sweep", "--models", "cifar_cnn", "plate_cnn"],
+    "vs_keras": [],
+    "plates_e2e": [],
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--only", nargs="+", choices=list(SUITE), default=list(SUITE))
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name in a.only:
+        cmd = [sys.executable, str(HERE / f"bench_{name}.py"), *SUITE[name]]
+        print(f"== {' '.join(cmd[1:])}", flush=True)
+        t = time.perf_counter()
+        with open(a.out / f"{name}.txt", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                log.write(line)
+        if proc.wait():
+            failed.append(name)
+        print(f"== {name}: {'failed' if proc.returncode else 'done'} in {time.perf_counter() - t:.0f} s\n", flush=True)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (see {a.out})")
+
+
+if __name__ == "__main__":
+    main()

@@ -250,7 +250,8 @@ def main():
               f"{r['total']:11.1f} {base['total'] / r['total']:10.2f}× {r['acc']:12.1%}")
     if "trainfast" in results:
         print(f"# trainfast settings: {results['trainfast'][0]['settings']}; tune took "
-              f"{results['trainfast'][0]['tune_s']:.1f} s on the first run (cached afterwards)")
+              f"{results['trainfast'][0]['tune_s']:.1f} s in the first run (near 0 when this machine's choice "
+              "was already cached), not counted in setup: it is once per machine and model")
     out = os.environ.get("TRAINFAST_BENCH_JSON")
     if out:
         Path(out).write_text(json.dumps(results, indent=1))

@@ -71,3 +71,16 @@ def test_rewrites_can_be_left_out(monkeypatch):
     tried = []
     r = tune(_net(), (3, 8, 8), device="cpu", measure=_fake(tried), try_rewrites=False, retune=True, log=lambda m: None)
     assert not r.best.rewrites and not any(s.rewrites for s in tried)
+
+
+def test_rewrites_are_tried_again_at_the_chosen_batch(monkeypatch):
+    """A rewrite that does not pay at the starting batch but does at the larger one is found."""
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+
+    def measure(model, shape, out, speed, device):
+        rate = {64: 100.0, 128: 120.0, 256: 110.0}.get(speed.batch_size, 50.0)
+        if speed.rewrites:
+            rate *= 1.0 if speed.batch_size == 64 else 1.2
+        return Trial(speed, rate, 2.0)
+    r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, measure=measure, retune=True, log=lambda m: None)
+    assert r.best.batch_size == 128 and r.best.rewrites == rewrite.ALL

@@ -84,3 +84,24 @@ def test_rewrites_are_tried_again_at_the_chosen_batch(monkeypatch):
         return Trial(speed, rate, 2.0)
     r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, measure=measure, retune=True, log=lambda m: None)
     assert r.best.batch_size == 128 and r.best.rewrites == rewrite.ALL
+
+
+def test_one_lucky_timing_does_not_decide(monkeypatch):
+    """bf16 at batch 64 times fast once, then slow; channels_last is steadily fast: the
+    second timing of the fastest few makes channels_last win."""
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+    seen = []
+
+    def measure(model, shape, out, speed, device):
+        key = (speed.precision, speed.channels_last, speed.batch_size, speed.rewrites)
+        seen.append(key)
+        if key == ("bf16", False, 64, ()):
+            rate = 300.0 if seen.count(key) == 1 else 100.0
+        elif key == ("fp32", True, 64, ()):
+            rate = 250.0
+        else:
+            rate = 50.0
+        return Trial(speed, rate, 2.0)
+    r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, measure=measure, retune=True, log=lambda m: None)
+    assert (r.best.precision, r.best.channels_last) == ("fp32", True)
+    assert "timed again" in r.table()

@@ -113,3 +113,21 @@ def test_train_refuses_an_unknown_rewrite_on_the_command_line(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "x.pack", "--model", "cifar_cnn", "--rewrites", "pool_before_relu,bogus"])
     assert e.value.code == 2 and "unknown rewrite 'bogus'" in capsys.readouterr().err
+
+
+def test_keep_mask_rates_on_both_paths():
+    """p = 0.25 takes the 8-bit path (exact), p = 0.3 the 16-bit one; odd sizes are covered."""
+    torch.manual_seed(0)
+    for p in (0.25, 0.5, 0.3, 0.1):
+        x = torch.ones(1_000_003)
+        m = rewrite.keep_mask(x, p)
+        assert m.shape == x.shape
+        assert abs((m != 0).float().mean().item() - (1 - p)) < 0.003, p
+        assert torch.allclose(m[m != 0], torch.tensor(1 / (1 - p)))
+
+
+def test_keep_mask_values_in_every_float_dtype():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        m = rewrite.keep_mask(torch.ones(4096, dtype=dtype), 0.25)
+        assert m.dtype == dtype
+        assert set(m.unique().tolist()) == {0.0, torch.tensor(1 / 0.75, dtype=dtype).item()}

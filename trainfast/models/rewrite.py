@@ -9,10 +9,11 @@ changed; the tuner switches them on and off by measurement (Speed.rewrites).
   so do their gradients), and the ReLU and its backward run on a quarter of the elements.
 - inplace_relu: ReLU overwrites its input where nothing else can read it (it follows a layer
   that always returns a fresh tensor, inside a Sequential). Exact; saves a pass of memory.
-- cheap_dropout: Dropout draws its keep-mask from 16 random bits per element, taken four at
-  a time from 64-bit draws, instead of one generator call per element (torch's bernoulli_ is
-  ~5 ns an element on CPU, often more than the convolution next to it). Same distribution
-  (p rounded to 1/65536), a different random stream; identical in eval mode.
+- cheap_dropout: Dropout draws its keep-mask from 8 random bits per element, eight at a time
+  from 64-bit draws, when p is a multiple of 1/256 (0.25, as in all the users' models: exact),
+  else from 16 bits, four at a time (p rounded to 1/65536), instead of one generator call
+  per element (torch's bernoulli_ is ~5 ns an element on CPU, often more than the convolution
+  next to it). Same distribution, a different random stream; identical in eval mode.
 
 None of them adds, removes or renames a parameter: state dicts and checkpoints are the same
 as the unrewritten model's.
@@ -66,13 +67,32 @@ def inplace_relu(model: nn.Module) -> int:
     return n
 
 
+_SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _scaled(keep: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """keep (bool) → {0, scale} in dtype. For float types this is an integer multiply by the bit
+    pattern of `scale`, viewed as floats: exact, and twice as fast as a bf16 multiply on CPU."""
+    as_int = _SAME_WIDTH_INT.get(dtype)
+    if as_int is None:
+        return keep.to(dtype).mul_(scale)
+    pattern = torch.tensor(scale, dtype=dtype).view(as_int).item()
+    return keep.to(as_int).mul_(pattern).view(dtype)
+
+
 def keep_mask(like: torch.Tensor, p: float) -> torch.Tensor:
     """A {0, 1/(1-p)} tensor of like's shape, dtype and memory layout, each element kept with
-    probability 1 - p (to 1/65536), from 16 random bits per element."""
+    probability 1 - p, from 8 random bits per element when p is a multiple of 1/256 (0.25,
+    0.5: exact), else from 16 bits (p to 1/65536)."""
     n = like.numel()
-    bits = torch.randint(-2**63, 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=like.device)
-    keep = bits.view(torch.int16)[:n] >= -32768 + round(p * 65536)
-    mask = keep.to(like.dtype).mul_(1.0 / (1.0 - p))
+    bits_per = 8 if float(p * 256).is_integer() else 16
+    per_draw = 64 // bits_per
+    bits = torch.randint(-2**63, 2**63 - 1, ((n + per_draw - 1) // per_draw,), dtype=torch.int64, device=like.device)
+    if bits_per == 8:
+        keep = bits.view(torch.int8)[:n] >= -128 + round(p * 256)
+    else:
+        keep = bits.view(torch.int16)[:n] >= -32768 + round(p * 65536)
+    mask = _scaled(keep, like.dtype, 1.0 / (1.0 - p))
     if like.dim() == 4 and not like.is_contiguous() and like.is_contiguous(memory_format=torch.channels_last):
         b, c, h, w = like.shape
         return mask.view(b, h, w, c).permute(0, 3, 1, 2)  # same strides as `like`: no layout conversion

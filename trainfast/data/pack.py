@@ -230,8 +230,8 @@ def _mp_context():
 
 def _after_chunk(result: dict, cfg: PackConfig, bar, pool=None) -> None:
     if result["errors"] and cfg.on_error == "fail":
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:  # drop the queued chunks; wait for the running ones, which still write into the
+            pool.shutdown(wait=True, cancel_futures=True)  # build folder that is removed next
         key, reason = result["errors"][0]
         raise TrainfastError(f"{key}: {reason} (--on-error fail: nothing was written)")
     bar.update(result["n"])

@@ -23,6 +23,7 @@ SUITE = {  # name: the arguments of benchmarks/bench_NAME.py
     "train": ["--sweep", "--models", "cifar_cnn", "plate_cnn"],
     "vs_keras": [],
     "plates_e2e": [],
+    "quality": [],
 }
 
 

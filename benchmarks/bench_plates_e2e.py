@@ -72,8 +72,7 @@ def _keras_fit(model, train, val, epochs: int) -> dict:
 
 
 def keras_sequence(train: Path, val: Path, epochs: int) -> dict:
-    sys.path.insert(0, str(HERE.parent / "examples"))
-    from keras_models import build_plain
+    from keras_models import build_plain  # puts examples/ on sys.path
     from keras_plates import PlateSequence
 
     return _keras_fit(build_plain("plate_cnn", "float32"), PlateSequence(str(train), BATCH),

@@ -45,8 +45,9 @@ class PlateSequence(keras.utils.Sequence):
         return x, y
 
 
-def plate_cnn():
-    """The story's model: 264,560 parameters, (8, 36) out."""
+def plate_cnn(logits=False):
+    """The story's model: 264,560 parameters, (8, 36) out: probabilities (the story's softmax),
+    or with logits=True raw scores in float32 under any precision policy (for a from_logits loss)."""
     return keras.Sequential([
         keras.Input((64, 128, 3)),
         layers.Conv2D(32, 3, activation="relu"), layers.MaxPooling2D(2),
@@ -55,7 +56,7 @@ def plate_cnn():
         layers.Conv2D(64, 3, activation="relu"), layers.MaxPooling2D(2),
         layers.Flatten(), layers.Dropout(0.25), layers.Reshape((1, 768)),
         layers.Dense(256, activation="relu"), layers.Dense(8, activation="relu"),
-        layers.Permute((2, 1)), layers.Dense(36, activation="softmax"),
+        layers.Permute((2, 1)), layers.Dense(36, activation=None if logits else "softmax", dtype="float32"),
     ])
 
 

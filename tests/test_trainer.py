@@ -133,3 +133,14 @@ def test_sequence_metrics(tmp_path):
     m = evaluate(net, trainfast.Loader(pk, 16, shuffle=False), Speed(), torch.device("cpu"),
                  trainfast.train.distributed.World())
     assert 0 <= m["seq_acc"] <= m["acc"] <= 1 and m["loss"] > 0
+
+
+def test_cosine_schedule_warms_up_linearly_then_decays_to_zero():
+    from trainfast.train.trainer import lr_factor
+
+    cfg = TrainConfig(schedule="cosine", warmup=0.2)
+    f = [lr_factor(cfg, s, 100) for s in range(100)]
+    assert f[0] == pytest.approx(1 / 20) and f[19] == pytest.approx(1.0) and f[20] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(f[:20], f[1:20])) and all(a >= b for a, b in zip(f[20:], f[21:]))
+    assert f[60] == pytest.approx(0.5, abs=0.02) and f[99] < 0.001
+    assert {lr_factor(TrainConfig(schedule="constant"), s, 100) for s in range(100)} == {1.0}

@@ -69,20 +69,22 @@ def _optimizer(params, cfg: TrainConfig, lr: float):
     return torch.optim.RMSprop(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
+def lr_factor(cfg: TrainConfig, step: int, total: int) -> float:
+    """The share of the peak learning rate at `step` of `total` for the constant and cosine
+    schedules (cosine: a linear warm-up over cfg.warmup of the steps, then a half cosine to 0)."""
+    if cfg.schedule == "constant":
+        return 1.0
+    warm = max(1, int(cfg.warmup * total))
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+
 def _scheduler(opt, cfg: TrainConfig, total: int, lr: float):
     if cfg.schedule == "onecycle":
         return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=cfg.warmup,
                                                    anneal_strategy="linear", div_factor=10, final_div_factor=100)
-    warm = max(1, int(cfg.warmup * total))
-
-    def factor(step: int) -> float:
-        if cfg.schedule == "constant":
-            return 1.0
-        if step < warm:
-            return (step + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step, total))
 
 
 def _interrupt(signum, frame):

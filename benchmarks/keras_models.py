@@ -28,9 +28,10 @@ from keras import layers  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from keras_plates import plate_cnn as _story_plate_cnn  # noqa: E402
 
-INPUT = {"plate_cnn": (64, 128, 3), "classifier512": (512, 512, 3), "cifar_cnn": (32, 32, 3)}
-OUTPUT = {"plate_cnn": (8, 36), "classifier512": (10,), "cifar_cnn": (10,)}
-PARAMS = {"plate_cnn": 264_560, "classifier512": 32_641_130, "cifar_cnn": 276_138}
+INPUT = {"plate_cnn": (64, 128, 3), "classifier512": (512, 512, 3), "cifar_cnn": (32, 32, 3), "plate_net": (64, 128, 3)}
+OUTPUT = {"plate_cnn": (8, 36), "classifier512": (10,), "cifar_cnn": (10,), "plate_net": (8, 36)}
+# trainable parameters, equal to the PyTorch ports' (trainfast.models); batch-norm statistics are not counted
+PARAMS = {"plate_cnn": 264_560, "classifier512": 32_641_130, "cifar_cnn": 276_138, "plate_net": 213_300}
 
 
 def plate_cnn() -> keras.Model:
@@ -57,14 +58,34 @@ def cifar_cnn() -> keras.Model:
                              layers.Dense(10, dtype="float32")])
 
 
-MODELS = {"plate_cnn": plate_cnn, "classifier512": classifier512, "cifar_cnn": cifar_cnn}
+def plate_net() -> keras.Model:
+    """trainfast's better plate reader (trainfast/models/better.py: PlateNet) written in Keras:
+    a model that learns, so that time to an accuracy can be compared."""
+    def bn_relu():
+        return [layers.BatchNormalization(momentum=0.9, epsilon=1e-5), layers.ReLU()]  # PyTorch's BN defaults
+
+    def conv_bn(n, stride=1):
+        return [layers.Conv2D(n, 3, strides=stride, padding="same", use_bias=False), *bn_relu()]
+    return keras.Sequential([
+        keras.Input((64, 128, 3)),
+        *conv_bn(16, 2), *conv_bn(32), layers.MaxPooling2D(2), *conv_bn(64), layers.MaxPooling2D(2), *conv_bn(64),
+        layers.Conv2D(128, (8, 1), use_bias=False), *bn_relu(),          # the 8 rows folded: (1, 16, 128)
+        layers.Reshape((16, 128)),
+        layers.Conv1D(128, 5, padding="same", use_bias=False), *bn_relu(),
+        layers.AveragePooling1D(2), layers.Dropout(0.1),                 # 16 columns → 8 positions
+        layers.Conv1D(36, 1, dtype="float32"),                           # (8, 36) logits
+    ])
+
+
+MODELS = {"plate_cnn": plate_cnn, "classifier512": classifier512, "cifar_cnn": cifar_cnn, "plate_net": plate_net}
 
 
 def build_plain(name: str, policy: str) -> keras.Model:
     """The model under a precision policy ("float32", "mixed_bfloat16"), not compiled."""
     keras.mixed_precision.set_global_policy(policy)
     model = MODELS[name]()
-    assert model.count_params() == PARAMS[name], (name, model.count_params())
+    trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    assert trainable == PARAMS[name], (name, trainable)
     return model
 
 

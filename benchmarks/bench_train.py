@@ -7,8 +7,9 @@ peak each reaches (MFU = training FLOPs per second ÷ peak matmul FLOP/s at that
 
 --sweep also times every combination of precision × memory format × rewrites × batch size
 (powers of two from 32 to the cap; no torch.compile) and checks tune's pruned choice against
-the best of the exhaustive sweep: the sweep's three fastest are timed again --runs times
-beside tune's choice, so that the winner of many noisy single runs is not favoured.
+the best of the exhaustive sweep: the sweep's --top fastest are timed again --runs times
+beside tune's choice, round-robin, so that neither the winner of many noisy single runs nor
+a setting timed during a quiet spell is favoured.
 
 Each figure is the median of --runs timings of --steps steps after warm-up, on in-memory
 batches (the input side is benchmarked in bench_loader.py). Also: the epoch time for
@@ -42,7 +43,7 @@ def rate(net, shape, out, speed, dev, runs, steps):
                              for _ in range(runs))
 
 
-def sweep(name: str, chosen: Speed, dev, runs: int, steps: int) -> None:
+def sweep(name: str, chosen: Speed, dev, runs: int, steps: int, top_n: int = 3) -> None:
     """tune's choice vs the best of every combination it prunes away."""
     net = models.create(name)
     shape, out = net.input_shape, net.output_shape
@@ -52,8 +53,15 @@ def sweep(name: str, chosen: Speed, dev, runs: int, steps: int) -> None:
     t = time.perf_counter()
     once = sorted(((measure_trial(net, shape, out, s, dev, steps=steps, warmup=2).images_per_s or 0.0, s)
                    for s in grid), key=lambda r: -r[0])
-    top = [s for _, s in once[:3]]
-    again = {s.label(): rate(net, shape, out, s, dev, runs, steps) for s in top + [chosen]}
+    top = [s for _, s in once[:top_n]]
+    # Timed again round-robin (one timing of each, `runs` times over), so that a slow spell of
+    # the shared machine falls on every candidate rather than on whichever it happens to hit.
+    candidates = {s.label(): s for s in top + [chosen]}
+    timings: dict[str, list[float]] = {label: [] for label in candidates}
+    for _ in range(runs):
+        for label, s in candidates.items():
+            timings[label].append(measure_trial(net, shape, out, s, dev, steps=steps, warmup=2).images_per_s or 0.0)
+    again = {label: statistics.median(t) for label, t in timings.items()}
     best_label = max((s.label() for s in top), key=again.get)
     share = again[chosen.label()] / again[best_label]
     print(f"{name}: exhaustive sweep of {len(grid)} settings in {time.perf_counter() - t:.0f} s; best "
@@ -70,6 +78,7 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--compile", action="store_true", help="let tune try torch.compile (slow to compile on CPU)")
     p.add_argument("--sweep", action="store_true", help="also check tune's choice against an exhaustive sweep")
+    p.add_argument("--top", type=int, default=3, help="how many of the sweep's fastest to time again beside tune's")
     a = p.parse_args()
     dev = torch.device("cpu")
     peaks = hardware.peaks(dev)["matmul_flops"]
@@ -90,7 +99,7 @@ def main():
         print(f"{name:14s} {base:10.1f} img/s (bs {USER_BATCH[name]:3d}) {chosen.label():>32s} {best:8.1f} "
               f"{best / base:6.2f} {base * flops / peak_b:9.1%} {best * flops / peak_t:9.1%}", flush=True)
         if a.sweep:
-            sweep(name, chosen, dev, a.runs, a.steps)
+            sweep(name, chosen, dev, a.runs, a.steps, a.top)
     if "cifar_cnn" in a.models:
         tmp = Path(tempfile.mkdtemp())
         images = np.random.default_rng(0).integers(0, 255, (50_000, 32, 32, 3), dtype=np.uint8)

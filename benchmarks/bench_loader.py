@@ -97,7 +97,7 @@ def dataloader_rate(files: list[str], size, batch: int, workers: int) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=20000, help="images in the raw pack")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--runs", type=int, default=5)

@@ -45,7 +45,7 @@ def pack_rate(root: Path, size, workers: int) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="bench-data/photos")
     p.add_argument("--count", type=int, default=2000)
     p.add_argument("--runs", type=int, default=3)

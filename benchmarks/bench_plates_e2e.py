@@ -267,7 +267,7 @@ def _data(a) -> tuple[Path, Path]:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("bench-data/plates-e2e"), help="made here if missing")
     p.add_argument("--count", type=int, default=4000, help="training photos (held out: a fifth as many)")
     p.add_argument("--epochs", type=int, default=3)

@@ -21,7 +21,7 @@ from trainfast.models import rewrite
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["cifar_cnn", "cifar_resnet"])
     p.add_argument("--epochs", type=int, default=6)
     a = p.parse_args()

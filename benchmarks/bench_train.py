@@ -72,7 +72,7 @@ def sweep(name: str, chosen: Speed, dev, runs: int, steps: int, top_n: int = 3) 
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(USER_BATCH))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)

@@ -92,7 +92,7 @@ def trainfast_tuned(name: str, runs: int, steps: int) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(USER_BATCH), choices=list(USER_BATCH))
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)

@@ -115,7 +115,7 @@ def step_rate(name: str, policy: str, batch: int, steps: int, runs: int) -> list
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16"])
     p.add_argument("--batch", type=int, nargs="+", help="one batch per model (default: the users' batches)")

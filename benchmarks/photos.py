@@ -56,7 +56,7 @@ def make_photos(root, count: int = 2000, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root")
     p.add_argument("--count", type=int, default=2000)
     a = p.parse_args()

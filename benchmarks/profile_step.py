@@ -53,7 +53,7 @@ def profile_model(name: str, steps: int, top: int) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MAX_BATCH), choices=list(MAX_BATCH))
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=12)

@@ -30,7 +30,7 @@ SUITE = {  # name: benchmarks/bench_SCRIPT.py and its arguments
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--only", nargs="+", choices=list(SUITE), default=list(SUITE))
     a = p.parse_args()

@@ -88,7 +88,7 @@ def test_rewrites_are_tried_again_at_the_chosen_batch(monkeypatch):
 
 def test_one_lucky_timing_does_not_decide(monkeypatch):
     """bf16 at batch 64 times fast once, then slow; channels_last is steadily fast: the
-    second timing of the fastest few makes channels_last win."""
+    final's further timings of the fastest few make channels_last win."""
     monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
     seen = []
 
@@ -104,4 +104,20 @@ def test_one_lucky_timing_does_not_decide(monkeypatch):
         return Trial(speed, rate, 2.0)
     r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, measure=measure, retune=True, log=lambda m: None)
     assert (r.best.precision, r.best.channels_last) == ("fp32", True)
-    assert "mean of 300 and 100" in r.table() and r.table().splitlines()[1].split()[1:4] == ["fp32", "+", "channels_last"]
+    assert "median of 300, 100, 100" in r.table() and r.table().splitlines()[1].split()[1:4] == ["fp32", "+", "channels_last"]
+
+
+def test_the_final_times_the_winners_untried_neighbours(monkeypatch):
+    """The rewrites pay at the starting batch and cost at the larger one the search moves to;
+    the search never times that batch without them, the final does, and it wins."""
+    seen = []
+
+    def measure(model, shape, out, speed, device):
+        seen.append(speed.label())
+        rate = {64: 100.0, 128: 150.0}.get(speed.batch_size, 50.0)
+        if speed.rewrites:
+            rate *= 1.05 if speed.batch_size == 64 else 0.8
+        return Trial(speed, rate, 2.0)
+    r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, measure=measure, retune=True, log=lambda m: None)
+    assert (r.best.batch_size, r.best.rewrites) == (128, ())
+    assert seen.count("fp32 + batch 128") == 3  # untimed before the final: three timings there

@@ -137,8 +137,11 @@ def _parser() -> argparse.ArgumentParser:
     tu = sub.add_parser(
         "tune", help="measure which speed settings are fastest here",
         description="Time a few training steps for each candidate setting — precision (fp32, bf16, fp16 on "
-                    "CUDA), channels_last, batch size, CPU threads, torch.compile — and keep the fastest whose "
-                    "loss matches fp32's. The choice is cached per model, input shape, device and torch version.",
+                    "CUDA), channels_last, the exact model rewrites, batch size, CPU threads, torch.compile — "
+                    "and keep the fastest whose loss matches fp32's. The search is pruned; its leaders and the "
+                    "winner's neighbours are timed again, round-robin, and the best median wins, so that one "
+                    "lucky timing on a busy machine does not. The choice is cached per model, input shape, "
+                    "device and torch version.",
         epilog="Example: trainfast tune --model cifar_cnn   or   trainfast tune --model plate_cnn --pack plates.pack")
     tu.add_argument("--model", required=True, help="built-in name or file.py:function")
     tu.add_argument("--pack", help="take the input shape from this pack")

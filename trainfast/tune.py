@@ -5,17 +5,22 @@ The search is pruned, not exhaustive: (1) precision × memory format at the star
 (2) the exact rewrite passes (trainfast.models.rewrite) on the winner, all together;
 (3) batch sizes, powers of two, with the winner so far, until memory runs out or two
 doublings in a row are slower, then the rewrites once more at the new batch if they lost at
-the first; (4) CPU threads, if torch uses fewer than the physical cores; (5) the three
-fastest timed a second time, the best mean of two winning, so that one lucky timing does
-not; (6) torch.compile of the winner (its compile time reported apart). A candidate counts
-only if its loss on the same first batch, from the same weights, is finite and within 5% of
-fp32's.
+the first; (4) CPU threads, if torch uses fewer than the physical cores; (5) a final:
+the three fastest so far and the winner's neighbours (batch ×2 and ÷2, rewrites on/off),
+timed round-robin twice more, so that a slow spell of a shared machine falls on all of them;
+the best median of its timings wins, so that one lucky timing does not; (6) torch.compile
+of the winner (its compile time reported apart). A candidate counts only if its loss on the
+same first batch, from the same weights, is finite and within 5% of fp32's. Each timing
+runs at least `steps` steps and at least `min_seconds` of them, so that small, fast steps
+are not timed over a few milliseconds.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
@@ -30,6 +35,9 @@ from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
 
 LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
+FINAL_ROUNDS = 2  # extra round-robin timings of each finalist
+MIN_SECONDS = 0.8  # the least time one timing spans
+MAX_STEPS = 60
 _DEFAULT_THREADS = torch.get_num_threads()  # restored after a trial that pins threads
 
 
@@ -54,15 +62,12 @@ class TuneResult:
     seconds: float = 0.0
 
     def table(self) -> str:
-        merged: dict[str, Trial] = {}  # a setting timed twice shows once, at the mean of its timings
+        timed: dict[str, list[Trial]] = {}  # a setting timed several times shows once, at its median
         for r in (r for r in self.rows if r.images_per_s):
-            if r.speed.label() in merged:
-                m = merged[r.speed.label()]
-                merged[r.speed.label()] = replace(m, images_per_s=(m.images_per_s + r.images_per_s) / 2,
-                                                  note=f"mean of {m.images_per_s:,.0f} and {r.images_per_s:,.0f}")
-            else:
-                merged[r.speed.label()] = r
-        ok = sorted(merged.values(), key=lambda r: -r.images_per_s)
+            timed.setdefault(r.speed.label(), []).append(r)
+        merged = [replace(ts[0], images_per_s=_median(ts), note=ts[0].note if len(ts) == 1 else
+                          "median of " + ", ".join(f"{t.images_per_s:,.0f}" for t in ts)) for ts in timed.values()]
+        ok = sorted(merged, key=lambda r: -r.images_per_s)
         base = next((r.images_per_s for r in self.rows if r.images_per_s and r.speed.precision == "fp32"
                      and not r.speed.channels_last and not r.speed.compile), None)
         lines = [f"{'rank':>4s}  {'settings':44s} {'images/s':>9s} {'vs fp32':>8s}  note"]
@@ -84,8 +89,15 @@ def _key(model: torch.nn.Module, shape, device: torch.device, pinned_batch, comp
     return h.hexdigest()
 
 
-def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5, warmup: int = 2) -> Trial:
-    """Time `steps` training steps at `speed` on in-memory batches; also the first batch's loss."""
+def _median(trials: list[Trial]) -> float:
+    return statistics.median(t.images_per_s for t in trials)
+
+
+def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5, warmup: int = 2,
+                  min_seconds: float = MIN_SECONDS) -> Trial:
+    """Time training steps at `speed` on in-memory batches, after `warmup` of them: `steps`
+    steps, or more where those would span less than `min_seconds` (at most MAX_STEPS).
+    Also the first batch's loss, from the model's own weights."""
     net = copy.deepcopy(model)
     data = synthetic_batches(shape, out_shape, speed.batch_size, device, n=2)
     compile_s = 0.0
@@ -100,7 +112,10 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
             net = torch.compile(net)
             step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=0)
             compile_s = time.perf_counter() - t
-        rate = step_breakdown(net, data, device=device, speed=speed, steps=steps, warmup=warmup).images_per_s
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        probe = step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=warmup, optimizer=opt)
+        n = max(steps, min(MAX_STEPS, math.ceil(min_seconds / max(probe.step, 1e-9))))
+        rate = step_breakdown(net, data, device=device, speed=speed, steps=n, warmup=0, optimizer=opt).images_per_s
     except torch.cuda.OutOfMemoryError:
         return Trial(speed, None, note="out of memory")
     except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped, with the reason
@@ -112,19 +127,35 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
 
 
 
-def _confirm(best: Trial, rows: list[Trial], sound, run, top: int = 3) -> Trial:
-    """Time the few fastest sound settings once more and keep the best mean of the two
-    timings: on a shared machine one timing swings by 10-20%, and the single fastest of
-    many noisy timings is partly luck."""
-    first: dict[str, Trial] = {}
-    for t in sorted((t for t in rows if sound(t)), key=lambda t: -t.images_per_s):
-        first.setdefault(t.speed.label(), t)
-    means = []
-    for t in list(first.values())[:top]:
-        again = run(t.speed)
-        if sound(again):
-            means.append(((t.images_per_s + again.images_per_s) / 2, again))
-    return max(means, key=lambda m: m[0])[1] if means else best
+def _final(rows: list[Trial], finalists: list[Speed], sound, run, rounds: int = FINAL_ROUNDS) -> Trial | None:
+    """Time the finalists round-robin `rounds` times more (a finalist the search did not
+    time gets one timing more) and return the one whose timings have the highest median. On a shared
+    machine one timing swings by 10-20%: the single fastest of many noisy timings is partly
+    luck, and a slow spell timed one by one falls on whichever setting it happens to hit."""
+    alive = list({s.label(): s for s in finalists}.values())  # each setting once, in order
+    for i in range(rounds + 1):
+        for s in list(alive):
+            timed = [t for t in rows if t.speed.label() == s.label()]
+            if i == rounds and len(timed) > rounds:
+                continue  # a setting timed before the final has its rounds + 1 timings already
+            if not sound(run(s)):
+                alive.remove(s)  # out of memory, failed, or its loss is off: out of the final
+    scored = [(_median([t for t in rows if t.speed.label() == s.label() and sound(t)]), s) for s in alive]
+    if not scored:
+        return None
+    best = max(scored, key=lambda m: m[0])[1]
+    return next(t for t in reversed(rows) if t.speed.label() == best.label())
+
+
+def _neighbours(speed: Speed, *, pinned_batch, max_batch: int, try_rewrites: bool) -> list[Speed]:
+    """The settings one step away from `speed` in the choices the search prunes most."""
+    near = []
+    if pinned_batch is None:
+        near += [replace(speed, batch_size=b) for b in (speed.batch_size * 2, speed.batch_size // 2)
+                 if 8 <= b <= max_batch]
+    if try_rewrites:
+        near.append(replace(speed, rewrites=() if speed.rewrites else rewrite.ALL))
+    return near
 
 
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
@@ -220,7 +251,13 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         t = run(replace(best.speed, threads=cores))
         if sound(t) and t.images_per_s > best.images_per_s * 1.03:
             best = t
-    best = _confirm(best, rows, sound, run)
+    leaders: dict[str, Speed] = {}
+    for t in sorted((t for t in rows if sound(t)), key=lambda t: -t.images_per_s):
+        leaders.setdefault(t.speed.label(), t.speed)
+    known_bad = {t.speed.label() for t in rows if not sound(t)}
+    near = [s for s in _neighbours(best.speed, pinned_batch=batch_size, max_batch=max_batch, try_rewrites=try_rewrites)
+            if s.label() not in known_bad]
+    best = _final(rows, list(leaders.values())[:3] + near, sound, run) or best
     if try_compile:
         t = run(replace(best.speed, compile=True))
         if sound(t) and t.images_per_s > best.images_per_s * 1.03:

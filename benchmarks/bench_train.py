@@ -2,6 +2,13 @@
 plain loop gets) vs the settings `trainfast tune` picks, with the share of the measured
 peak each reaches (MFU = training FLOPs per second ÷ peak matmul FLOP/s at that precision).
 
+The eager fp32 step is timed twice: with PyTorch's defaults, in a child process that keeps
+glibc's malloc as it is (what a user's script gets), and in this process, after trainfast's
+malloc setting (trainfast.step.keep_freed_memory), which is part of what trainfast changes
+but not a setting tune searches. "ceiling" is the most any setting could gain over the
+second: the tuned precision's peak ÷ the fp32 peak ÷ the eager step's MFU, i.e. the ratio at
+100% MFU.
+
     python benchmarks/bench_train.py [--models cifar_cnn plate_cnn classifier512] [--runs 3]
     python benchmarks/bench_train.py --sweep --models cifar_cnn plate_cnn
 
@@ -19,7 +26,10 @@ batches (the input side is benchmarked in bench_loader.py). Also: the epoch time
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +51,14 @@ MAX_BATCH = {"cifar_cnn": 512, "plate_cnn": 512, "classifier512": 32}
 def rate(net, shape, out, speed, dev, runs, steps):
     return statistics.median(measure_trial(net, shape, out, speed, dev, steps=steps, warmup=2).images_per_s
                              for _ in range(runs))
+
+
+def plain_rate(name: str, runs: int, steps: int) -> float:
+    """Eager fp32 at the users' batch in a fresh process with glibc's malloc left as it is."""
+    env = {**os.environ, "TRAINFAST_KEEP_MEMORY": "0"}
+    out = subprocess.run([sys.executable, __file__, "--plain", name, "--runs", str(runs), "--steps", str(steps)],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
 
 
 def sweep(name: str, chosen: Speed, dev, runs: int, steps: int, top_n: int = 3) -> None:
@@ -79,13 +97,20 @@ def main():
     p.add_argument("--compile", action="store_true", help="let tune try torch.compile (slow to compile on CPU)")
     p.add_argument("--sweep", action="store_true", help="also check tune's choice against an exhaustive sweep")
     p.add_argument("--top", type=int, default=3, help="how many of the sweep's fastest to time again beside tune's")
+    p.add_argument("--plain", metavar="MODEL", help=argparse.SUPPRESS)  # the child process of plain_rate
     a = p.parse_args()
     dev = torch.device("cpu")
+    if a.plain:
+        net = models.create(a.plain)
+        print(rate(net, net.input_shape, net.output_shape, Speed(batch_size=USER_BATCH[a.plain]), dev, a.runs, a.steps))
+        return
     peaks = hardware.peaks(dev)["matmul_flops"]
     print(f"{hardware.cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"peaks {peaks['float32'] / 1e9:.0f} GFLOP/s fp32, {peaks.get('bfloat16', 0) / 1e9:.0f} bf16")
-    print(f"{'model':14s} {'eager fp32':>22s} {'tuned':>44s} {'ratio':>6s} {'MFU eager':>9s} {'MFU tuned':>9s}")
+    print(f"{'model':14s} {'batch':>5s} {'eager fp32: defaults':>20s} {'+ malloc':>9s} {'tuned':>44s} "
+          f"{'vs defaults':>11s} {'vs +malloc':>10s} {'MFU eager':>9s} {'MFU tuned':>9s} {'ceiling':>7s}")
     for name in a.models:
+        plain = plain_rate(name, a.runs, a.steps)
         net = models.create(name)
         shape, out = net.input_shape, net.output_shape
         flops = layer_costs(models.create(name), shape, batch=1).train_flops
@@ -96,8 +121,10 @@ def main():
         best = rate(net, shape, out, chosen, dev, a.runs, a.steps)
         peak_b = peaks["float32"]
         peak_t = peaks.get({"bf16": "bfloat16", "fp16": "float16"}.get(chosen.precision, "float32"), peak_b)
-        print(f"{name:14s} {base:10.1f} img/s (bs {USER_BATCH[name]:3d}) {chosen.label():>32s} {best:8.1f} "
-              f"{best / base:6.2f} {base * flops / peak_b:9.1%} {best * flops / peak_t:9.1%}", flush=True)
+        mfu_b = base * flops / peak_b
+        print(f"{name:14s} {USER_BATCH[name]:5d} {plain:14.1f} img/s {base:9.1f} {chosen.label():>44s} {best:8.1f} "
+              f"{best / plain:10.2f}× {best / base:9.2f}× {mfu_b:9.1%} {best * flops / peak_t:9.1%} "
+              f"{peak_t / peak_b / mfu_b:6.2f}×", flush=True)
         if a.sweep:
             sweep(name, chosen, dev, a.runs, a.steps, a.top)
     if "cifar_cnn" in a.models:

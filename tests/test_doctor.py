@@ -112,3 +112,13 @@ def test_model_failing_on_shape_names_the_layer(tmp_path):
 def test_cli_text_report(pack, capsys):
     assert main(["doctor", "--model", "plate_cnn", "--data", str(pack.path), "--steps", "2"]) == 1
     assert "the model takes 3×64×128" in capsys.readouterr().err
+
+
+def test_a_cpu_without_bf16_instructions_gets_no_bf16_peak_and_is_told(pack, monkeypatch):
+    """torch emulates bf16 on such a CPU (about 1 GFLOP/s): no peak to quote, no bf16 fix to try."""
+    monkeypatch.setattr(hardware, "isa_features", lambda: ["AVX2"])
+    monkeypatch.setattr(hardware, "machine_key", lambda d: "avx2-only test machine")  # its own cache entry
+    r = doctor(Tiny(), pack, batch_size=16, steps=2, warmup=1)
+    assert set(r.peaks["matmul_flops"]) == {"float32"}
+    assert "no AVX512-BF16 or AMX-BF16 instructions" in trainfast.doctor.report.render_text(r)
+    assert not any("bf16" in rec.title for rec in r.recommendations)

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainfast.config import Speed
-from trainfast.hardware import isa_features
+from trainfast.hardware import cpu_has_bf16
 from trainfast.models import rewrite
 
 
@@ -31,7 +31,7 @@ def supports_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return any(f in isa_features() for f in ("AVX512-BF16", "AMX-BF16"))
+        return cpu_has_bf16()
     return False
 
 

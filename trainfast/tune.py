@@ -70,14 +70,15 @@ class TuneResult:
         ok = sorted(merged, key=lambda r: -r.images_per_s)
         base = next((r.images_per_s for r in self.rows if r.images_per_s and r.speed.precision == "fp32"
                      and not r.speed.channels_last and not r.speed.compile), None)
-        lines = [f"{'rank':>4s}  {'settings':44s} {'images/s':>9s} {'vs fp32':>8s}  note"]
+        w = max([44] + [len(r.speed.label()) for r in self.rows])
+        lines = [f"{'rank':>4s}  {'settings':{w}s} {'images/s':>9s} {'vs fp32':>8s}  note"]
         for i, r in enumerate(ok, 1):
             rel = f"{r.images_per_s / base:.2f}×" if base else ""
-            note = r.note + (f" compile {r.compile_s:.0f} s" if r.compile_s else "")
-            lines.append(f"{i:>4d}  {r.speed.label():44s} {r.images_per_s:9,.0f} {rel:>8s}  {note}")
+            note = "; ".join(n for n in (r.note, f"compile {r.compile_s:.0f} s" if r.compile_s else "") if n)
+            lines.append(f"{i:>4d}  {r.speed.label():{w}s} {r.images_per_s:9,.0f} {rel:>8s}  {note}")
         for r in self.rows:
             if not r.images_per_s:
-                lines.append(f"{'—':>4s}  {r.speed.label():44s} {'—':>9s} {'':>8s}  {r.note}")
+                lines.append(f"{'—':>4s}  {r.speed.label():{w}s} {'—':>9s} {'':>8s}  {r.note}")
         lines.append(f"chosen: {self.best.label()}" + (" (cached; --retune to measure again)" if self.cached else
                                                         f" ({self.seconds:.0f} s)"))
         return "\n".join(lines)
@@ -194,7 +195,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         trial = Trial(speed, None, note=f"skipped: {reason}") if reason else measure(model, input_shape, out_shape, speed, dev)
         rows.append(trial)
         shown = f"{trial.images_per_s:,.0f} images/s" if trial.images_per_s else trial.note
-        log(f"  {speed.label():44s} {shown}")
+        log(f"  {speed.label():53s} {shown}")
         return trial
 
     log(f"tuning on {dev}: precision × memory format{', rewrites' if try_rewrites else ''}, then batch size, "

@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 SUITE = {  # name: benchmarks/bench_SCRIPT.py and its arguments
     "pack": ("pack", []),
     "loader": ("loader", ["--runs", "5"]),
-    "train": ("train", ["--sweep", "--models", "cifar_cnn", "plate_cnn"]),
+    "train": ("train", ["--sweep", "--models", "cifar_cnn", "plate_cnn", "--runs", "5"]),
     "vs_keras": ("vs_keras", []),
     "plates_e2e": ("plates_e2e", []),
     "plates_accuracy": ("plates_e2e", ["--model", "plate_net", "--count", "8000", "--epochs", "8",

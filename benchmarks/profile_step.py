@@ -141,7 +141,8 @@ def main():
     p.add_argument("--models", nargs="+", default=list(MAX_BATCH), choices=list(MAX_BATCH))
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--conv-layers", action="store_true", help="also time each convolution alone (forward + backward, fp32 and bf16, NCHW and channels_last)")
+    p.add_argument("--conv-layers", action="store_true",
+                   help="also time each convolution alone (forward + backward, fp32 and bf16, NCHW and channels_last)")
     a = p.parse_args()
     for name in a.models:
         profile_model(name, a.steps, a.top)

@@ -6,8 +6,8 @@ The eager fp32 step is timed twice: with PyTorch's defaults, in a child process 
 glibc's malloc as it is (what a user's script gets), and in this process, after trainfast's
 malloc setting (trainfast.step.keep_freed_memory), which is part of what trainfast changes
 but not a setting tune searches. "ceiling" is the most any setting could gain over the
-second: the tuned precision's peak ÷ the fp32 peak ÷ the eager step's MFU, i.e. the ratio at
-100% MFU.
+second: the tuned precision's peak ÷ the eager step's FLOP/s, i.e. the ratio of a step at
+100% of that peak.
 
     python benchmarks/bench_train.py [--models cifar_cnn plate_cnn classifier512] [--runs 3]
     python benchmarks/bench_train.py --sweep --models cifar_cnn plate_cnn
@@ -121,10 +121,9 @@ def main():
         best = rate(net, shape, out, chosen, dev, a.runs, a.steps)
         peak_b = peaks["float32"]
         peak_t = peaks.get({"bf16": "bfloat16", "fp16": "float16"}.get(chosen.precision, "float32"), peak_b)
-        mfu_b = base * flops / peak_b
         print(f"{name:14s} {USER_BATCH[name]:5d} {plain:14.1f} img/s {base:9.1f} {chosen.label():>44s} {best:8.1f} "
-              f"{best / plain:10.2f}× {best / base:9.2f}× {mfu_b:9.1%} {best * flops / peak_t:9.1%} "
-              f"{peak_t / peak_b / mfu_b:6.2f}×", flush=True)
+              f"{best / plain:10.2f}× {best / base:9.2f}× {base * flops / peak_b:9.1%} {best * flops / peak_t:9.1%} "
+              f"{peak_t / (base * flops):6.2f}×", flush=True)
         if a.sweep:
             sweep(name, chosen, dev, a.runs, a.steps, a.top)
     if "cifar_cnn" in a.models:

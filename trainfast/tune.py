@@ -129,16 +129,16 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
 
 
 def _final(rows: list[Trial], finalists: list[Speed], sound, run, rounds: int = FINAL_ROUNDS) -> Trial | None:
-    """Time the finalists round-robin `rounds` times more (a finalist the search did not
-    time gets one timing more) and return the one whose timings have the highest median. On a shared
-    machine one timing swings by 10-20%: the single fastest of many noisy timings is partly
-    luck, and a slow spell timed one by one falls on whichever setting it happens to hit."""
+    """Time the finalists round-robin `rounds` times more, and once more any that then has
+    fewer than rounds + 1 timings (one the search did not time); return the one whose timings
+    have the highest median. On a shared machine one timing swings by 10-20%: the single
+    fastest of many noisy timings is partly luck, and a slow spell timed one by one falls on
+    whichever setting it happens to hit."""
     alive = list({s.label(): s for s in finalists}.values())  # each setting once, in order
     for i in range(rounds + 1):
         for s in list(alive):
-            timed = [t for t in rows if t.speed.label() == s.label()]
-            if i == rounds and len(timed) > rounds:
-                continue  # a setting timed before the final has its rounds + 1 timings already
+            if i == rounds and sum(t.speed.label() == s.label() for t in rows) > rounds:
+                continue
             if not sound(run(s)):
                 alive.remove(s)  # out of memory, failed, or its loss is off: out of the final
     scored = [(_median([t for t in rows if t.speed.label() == s.label() and sound(t)]), s) for s in alive]

@@ -10,14 +10,13 @@ from pathlib import Path
 import torch
 
 
-def correct(output: torch.Tensor, target: torch.Tensor) -> tuple[float, float, float]:
-    """(correct items, correct whole sequences, items): classes count each image once;
-    sequences (B, L, K) count each position, and whole sequences separately."""
-    pred = output.argmax(-1)
-    hit = pred == target
-    if hit.dim() == 2:
-        return float(hit.sum()), float(hit.all(1).sum()), float(hit.numel())
-    return float(hit.sum()), float(hit.sum()), float(hit.numel())
+def correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(correct items, correct whole sequences) as a float64 tensor on the output's device, so
+    that summing them never waits for the device; the items are target.numel(). Classes count
+    each image once; sequences (B, L, K) count each position, and whole sequences separately."""
+    hit = output.argmax(-1) == target
+    whole = hit.all(1) if hit.dim() == 2 else hit
+    return torch.stack([hit.sum(), whole.sum()]).double()
 
 
 COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_seq_acc", "lr", "images_per_s", "seconds"]
@@ -34,8 +33,9 @@ class MetricsLog:
         """Keep the rows of epochs before `upto_epoch` (a resumed run rewrites the rest)."""
         if self.path.exists():
             with open(self.path, newline="") as f:
-                self.rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)
-                             if int(float(r["epoch"])) < upto_epoch]
+                rows = [{k: int(float(v)) if k == "epoch" else float(v) for k, v in r.items() if v != ""}
+                        for r in csv.DictReader(f)]
+            self.rows = [r for r in rows if r["epoch"] < upto_epoch]
         self._write()
 
     def add(self, row: dict) -> None:
@@ -62,11 +62,14 @@ def plot_curves(rows: list[dict], path: Path, sequence: bool) -> None:
     ep = [r["epoch"] + 1 for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
-    a.plot(ep, [r["val_loss"] for r in rows], "o-", label="validation")
+    val = all("val_loss" in r for r in rows)  # no validation with val_fraction=0 and no val pack
+    if val:
+        a.plot(ep, [r["val_loss"] for r in rows], "o-", label="validation")
     a.set_xlabel("epoch"), a.set_ylabel("loss"), a.legend(), a.set_title("loss")
     b.plot(ep, [r["train_acc"] for r in rows], "o-", label="train" + (" (per character)" if sequence else ""))
-    b.plot(ep, [r["val_acc"] for r in rows], "o-", label="validation" + (" (per character)" if sequence else ""))
-    if sequence:
+    if val:
+        b.plot(ep, [r["val_acc"] for r in rows], "o-", label="validation" + (" (per character)" if sequence else ""))
+    if val and sequence:
         b.plot(ep, [r["val_seq_acc"] for r in rows], "o-", label="validation (whole sequence)")
     b.set_xlabel("epoch"), b.set_ylabel("accuracy"), b.set_ylim(0, 1), b.legend(), b.set_title("accuracy")
     fig.tight_layout()

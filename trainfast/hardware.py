@@ -81,6 +81,23 @@ def cpu_has_bf16() -> bool:
     return any(f in isa_features() for f in ("AVX512-BF16", "AMX-BF16"))
 
 
+def fast_precisions(device) -> tuple[str, ...]:
+    """The reduced precisions this device runs fast, of 'bf16' and 'fp16'.
+
+    CUDA: fp16 from sm70 (tensor cores), bf16 from sm80. NOTE: torch.cuda.is_bf16_supported()
+    also says True on older GPUs, where bf16 is emulated (a GTX 1080, the 512² story's GPU, is
+    sm61). CPU: bf16 with AVX512-BF16 or AMX-BF16 only; fp16 never (no scaled fp16 training there).
+    """
+    import torch
+
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        return tuple(p for p, need in (("bf16", (8, 0)), ("fp16", (7, 0))) if cc >= need)
+    if device.type == "cpu" and cpu_has_bf16():
+        return ("bf16",)
+    return ()
+
+
 def resolve_device(name: str | None):
     """'auto' / None → cuda if available else cpu; otherwise check the device exists.
 
@@ -157,15 +174,13 @@ def measure_peaks(device) -> dict:
     """Dense matmul FLOP/s per dtype and memory-copy bytes/s of `device`, measured now.
 
     Returns {"matmul_flops": {"float32": …, "bfloat16": …, "float16": …}, "copy_bytes": …}
-    with dtypes the device cannot run fast left out (fp16 on CPU; bf16 on a CPU without bf16
-    instructions, or a GPU older than sm80).
+    with dtypes the device cannot run fast left out (see fast_precisions).
     """
     import torch
 
     n = 4096 if device.type == "cuda" else 1536
-    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
-    if not (torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()):
-        dtypes.remove(torch.bfloat16)
+    fast = fast_precisions(device)
+    dtypes = [torch.float32] + [dt for p, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)) if p in fast]
     flops = {}
     for dt in dtypes:
         a = torch.randn(n, n, device=device).to(dt)

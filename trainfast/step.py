@@ -22,17 +22,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainfast.config import Speed
-from trainfast.hardware import cpu_has_bf16
+from trainfast.hardware import fast_precisions
 from trainfast.models import rewrite
 
 
 def supports_bf16(device: torch.device) -> bool:
-    """bf16 autocast is fast here: CUDA ≥ sm80, or a CPU torch can run bf16 kernels on."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        return cpu_has_bf16()
-    return False
+    """bf16 autocast is fast here: CUDA ≥ sm80, or a CPU with bf16 instructions."""
+    return "bf16" in fast_precisions(device)
 
 
 def check(speed: Speed, device: torch.device) -> str | None:
@@ -41,8 +37,11 @@ def check(speed: Speed, device: torch.device) -> str | None:
         return f"precision must be fp32, bf16 or fp16, not {speed.precision!r}"
     if speed.precision == "fp16" and device.type != "cuda":
         return "fp16 training needs a CUDA device (on CPU fp16 kernels are slow and unscaled); use bf16"
+    if speed.precision == "fp16" and "fp16" not in fast_precisions(device):
+        return f"fp16 is not fast on {device} (it needs tensor cores: sm70 or newer); use fp32"
     if speed.precision == "bf16" and not supports_bf16(device):
-        return f"bf16 is not supported fast on {device} (needs AVX512-BF16/AMX on CPU, or sm80+ on CUDA)"
+        return (f"bf16 is emulated on {device}, slower than fp32 (fast bf16 needs AVX512-BF16/AMX on CPU, "
+                f"or sm80+ on CUDA)")
     if speed.batch_size < 1:
         return f"batch size must be ≥ 1, not {speed.batch_size}"
     return rewrite.check(speed.rewrites)

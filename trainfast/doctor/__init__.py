@@ -227,7 +227,7 @@ def _recommendations(net, report: Report, dev, src, pk, log) -> list[Recommendat
         if _step.supports_bf16(dev) and speed.precision == "fp32":
             candidates.append((replace(speed, precision="bf16"), "bf16 autocast",
                                "with torch.autocast(device_type, dtype=torch.bfloat16): out = model(x)"))
-        if dev.type == "cuda" and speed.precision == "fp32":
+        if "fp16" in hardware.fast_precisions(dev) and speed.precision == "fp32":
             candidates.append((replace(speed, precision="fp16"), "fp16 autocast + GradScaler",
                                "torch.autocast('cuda', dtype=torch.float16) and torch.amp.GradScaler('cuda')"))
         if not speed.channels_last:

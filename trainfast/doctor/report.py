@@ -56,8 +56,8 @@ def render_text(r) -> str:
                  f"ISA {' '.join(s['isa']) or '—'}")
     peak_txt = ", ".join(f"{_si(v, 'FLOP/s')} {k}" for k, v in p["matmul_flops"].items())
     if "bfloat16" not in p["matmul_flops"]:
-        peak_txt += " (no fast bf16 here: " + ("no AVX512-BF16 or AMX-BF16 instructions, torch would emulate it)"
-                                               if s["device"].startswith("cpu") else "it needs sm80 or newer)")
+        peak_txt += " (bf16 is emulated here, slower than fp32: " + (
+            "no AVX512-BF16 or AMX-BF16 instructions)" if s["device"].startswith("cpu") else "it needs sm80 or newer)")
     lines.append(f"  measured peaks: matmul {peak_txt}; copy {_si(p['copy_bytes'], 'B/s')}"
                  f"{' (cached; --remeasure to refresh)' if p.get('cached') else ''}")
     lines += ["", f"Model: {cost.params:,} parameters; per image {_si(cost.forward_flops, 'FLOP')} forward, "

@@ -189,7 +189,7 @@ class Loader:
         return images, (labels.pin_memory() if self._pin else labels)
 
     def _generator(self, epoch: int, k: int) -> torch.Generator:
-        g = torch.Generator(device=self.device)
+        g = torch.Generator()  # on the CPU whatever the device: the same augmentations everywhere
         g.manual_seed(int(np.random.SeedSequence([self.seed, self.rank, epoch, k]).generate_state(1)[0]))
         return g
 

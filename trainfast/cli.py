@@ -179,8 +179,11 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--val-fraction", type=float, default=0.1, help="held out when no --val (default: 0.1)")
     tr.add_argument("--patience", type=int, default=0, help="early stop after N epochs without improvement")
     tr.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the weights, order and augmentations (default: 0)")
+    tr.add_argument("--deterministic", action="store_true",
+                    help="deterministic kernels: the same seed gives the same weights on the same device (can be slower)")
+    tr.add_argument("--device", default=None,
+                    help="cpu, cuda or cuda:N (default: cuda if available; under torchrun, cuda:LOCAL_RANK)")
     tr.add_argument("--no-tune", action="store_true", help="do not tune; use fp32 defaults or what is pinned")
     tr.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="pin the precision")
     tr.add_argument("--channels-last", action="store_true", default=None, help="pin channels_last on")
@@ -340,7 +343,8 @@ def _cmd_train(a) -> ExitStatus:
             raise TrainfastError("give a PACK and --model (or --resume RUN_DIR)")
         cfg = TrainConfig(epochs=a.epochs, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
                           schedule=a.schedule, warmup=a.warmup, label_smoothing=a.label_smoothing, clip=a.clip,
-                          val_fraction=a.val_fraction, patience=a.patience, save_every=a.save_every, seed=a.seed)
+                          val_fraction=a.val_fraction, patience=a.patience, save_every=a.save_every, seed=a.seed,
+                          deterministic=a.deterministic)
         aug = Augment(crop_pad=a.crop_pad, translate=a.translate, flip=a.flip, brightness=a.brightness,
                       contrast=a.contrast, cutout=a.cutout)
         pinned = {k: v for k, v in (("precision", a.precision), ("channels_last", a.channels_last),
@@ -375,6 +379,22 @@ def _cmd_make_plates(a) -> ExitStatus:
     return ExitStatus.OK
 
 
+def _say_error(line: str) -> None:
+    """One line on stderr. Under torchrun every process meets the same error: rank 0 says it,
+    and each process leaves it in torchrun's error file, so that torchrun's failure summary
+    shows the reason instead of a pointer to its docs."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        import json
+        import time
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": str(int(time.time()))}, f)
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trainfast`; returns the exit status (tests call it in-process)."""
     argv_is_the_command_line = argv is None
@@ -398,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(code)
         return code
     except TrainfastError as e:
-        print(f"trainfast {args.command}: error: {e}", file=sys.stderr)
+        _say_error(f"trainfast {args.command}: error: {e}")
         return int(ExitStatus.ERROR)
     except KeyboardInterrupt:
         print(f"trainfast {args.command}: interrupted", file=sys.stderr)

@@ -137,6 +137,8 @@ class TrainConfig:
     """Also checkpoint every N steps inside an epoch (0: at the end of each epoch only)."""
     seed: int = 0
     """Seed of the weights, the order and the augmentations."""
+    deterministic: bool = False
+    """Deterministic kernels (cuDNN, cuBLAS): the same seed gives the same weights on the same device; can be slower."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -123,7 +123,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
                      augment=Augment(translate=2), device=cfg.device, log=lambda m: log("   " + m))
 
     net = models.create("plate_net")
-    net.load_state_dict(torch.load(run_dir / "best.pt", weights_only=True)["model"])
+    net.load_state_dict(torch.load(run_dir / "best.pt", map_location="cpu", weights_only=True)["model"])
     dev = before.system["device"]
     final = evaluate(net.to(dev), Loader(test_pk, 100, shuffle=False, device=dev), tuned.best,
                      torch.device(dev), World(device=torch.device(dev)))

@@ -1,9 +1,13 @@
 """Checkpoints: written atomically, loaded with weights_only=True (no code runs from a file).
 
 A checkpoint holds plain state: the model's, optimizer's, scheduler's and scaler's state
-dicts, the epoch and step, the loader's position, the RNG state and the best score. It
+dicts, the epoch and step, the loader's position, the random streams and the best score. It
 also records the model's name and parameter shapes, and a checkpoint of another model or
 shape is refused with both named.
+
+Every tensor in it is saved and loaded on the CPU (`map_location="cpu"`); the caller moves
+state to its device (load_state_dict does), so a run saved on CUDA resumes on a CPU-only
+machine and the reverse.
 """
 
 from __future__ import annotations
@@ -23,6 +27,34 @@ def signature(model: torch.nn.Module) -> list[list]:
     return [[name, list(t.shape)] for name, t in model.state_dict().items()]
 
 
+def rng_state(device: torch.device) -> dict:
+    """The random streams a run on `device` draws from: the CPU's, and the CUDA device's.
+
+    The data order and augmentations are pure functions of (seed, epoch, batch), not streams;
+    what draws from these is the model itself (dropout) and any torch random call in user code.
+    Under DDP every rank draws the same sequence from the same seed on its own device, so rank
+    0's device stream stands for all of them.
+    """
+    return {"cpu": torch.get_rng_state(), "device": device.type,
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(saved, device: torch.device) -> str | None:
+    """Restore what rng_state() saved, each stream on its own device. Returns None when every
+    stream the run draws from was restored, else a sentence saying which was not."""
+    if isinstance(saved, torch.Tensor):  # checkpoints from before CUDA streams were kept
+        saved = {"cpu": saved, "device": "cpu", "cuda": None}
+    torch.set_rng_state(saved["cpu"].cpu())
+    if device.type == "cuda" and saved.get("cuda") is not None:
+        torch.cuda.set_rng_state(saved["cuda"].cpu(), device)
+        return None
+    if device.type == saved.get("device", "cpu"):
+        return None
+    return (f"the run was saved on {saved.get('device')} and resumes on {device.type}: the random streams of the "
+            f"model (dropout) differ from the uninterrupted run's from here on; the data order and augmentations "
+            f"do not")
+
+
 def save(path: Path, state: dict) -> None:
     """torch.save to a temporary sibling, then rename: a reader never sees half a file."""
     path = Path(path)
@@ -31,12 +63,13 @@ def save(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def load(path: Path, model_name: str, model: torch.nn.Module, map_location=None) -> dict:
+def load(path: Path, model_name: str, model: torch.nn.Module) -> dict:
+    """The checkpoint at `path`, every tensor on the CPU, checked to be `model_name`'s."""
     path = Path(path)
     if not path.is_file():
         raise TrainfastError(f"{path}: no checkpoint there to resume from")
     try:
-        state = torch.load(path, map_location=map_location or "cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read is the file's fault
         raise TrainfastError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:

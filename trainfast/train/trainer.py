@@ -7,9 +7,12 @@ and a shard of the Loader, and only rank 0 prints, logs and writes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,6 +28,10 @@ from trainfast.data.loader import Loader
 from trainfast.errors import TrainfastError
 from trainfast.train import checkpoint, distributed
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
+
+
+# Steps between reads of the loss off the device (see _Watch). On a CPU a read costs nothing.
+READ_EVERY = {"cpu": 1, "cuda": 25}
 
 
 @dataclass
@@ -87,8 +94,46 @@ def _scheduler(opt, cfg: TrainConfig, total: int, lr: float):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step, total))
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+class _Interrupts:
+    """Ctrl-C and SIGTERM land between training steps, so that a checkpoint's weights and its
+    count of steps agree (one landing mid-step used to save the next batch as done).
+
+    Inside `step()` a first signal is held until the step ends; a second one raises at once
+    (and `torn` tells the caller not to save). Anywhere else, e.g. during validation, they
+    raise KeyboardInterrupt at once. Only the main thread of the main process can take signals.
+    """
+
+    def __init__(self, active: bool):
+        self.active = active and threading.current_thread() is threading.main_thread()
+        self.holding = self.pending = self.torn = False
+        self.previous = {}
+
+    def _handler(self, signum, frame):
+        if self.holding and not self.pending:
+            self.pending = True
+            return
+        self.torn = self.holding
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        if self.active:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def step(self):
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending:
+            raise KeyboardInterrupt
 
 
 def _check_config(cfg: TrainConfig) -> None:
@@ -119,17 +164,108 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def evaluate(model, loader: Loader, speed: Speed, device, world) -> dict:
-    """Loss and accuracy over `loader` (summed over ranks under DDP)."""
+    """Loss and accuracy over `loader` (summed over ranks under DDP); one wait for the device, at the end."""
     model.eval()
-    sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # loss·n, correct, correct sequences, items, images
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss·images, correct items, correct sequences
+    items = images = 0
     with torch.no_grad():
         for x, y in loader:
             loss, out = _step.forward_loss(model, x, y, speed, device)
-            c, cs, n = correct(out, y)
-            sums = [sums[0] + float(loss) * len(x), sums[1] + c, sums[2] + cs, sums[3] + n, sums[4] + len(x)]
-    loss_n, c, cs, n, imgs = distributed.sum_all(sums, world)
+            sums += torch.cat([(loss.double() * len(x)).reshape(1), correct(out, y)])
+            items, images = items + y.numel(), images + len(x)
+    loss_n, c, cs, n, imgs = distributed.sum_all(sums.tolist() + [items, images], world)
     model.train()
     return {"loss": loss_n / max(imgs, 1), "acc": c / max(n, 1), "seq_acc": cs / max(imgs, 1)}
+
+
+class _Watch:
+    """The epoch's running sums and the NaN/Inf guard, kept on the device.
+
+    Reading a number off a GPU makes the host wait until the device has caught up, which
+    empties the queue of launched work that small models live on. So the loss and accuracy
+    are summed on the device and read every `every` steps, before each checkpoint and at the
+    end of an epoch; the guard records the global step of the first non-finite loss, so it is
+    named exactly however late it is read. Every rank reads at the same steps (a collective).
+    """
+
+    def __init__(self, device: torch.device, partial: list[float], every: int):
+        self.partial = list(partial)  # loss·images, correct items, items, images: as read last
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)  # since the last read
+        self.items = self.images = 0
+        self.bad = torch.tensor([-1.0, 0.0], dtype=torch.float64, device=device)  # first bad (global step, loss)
+        self.every = every
+
+    def add(self, loss: torch.Tensor, out: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        with torch.no_grad():
+            loss = loss.detach()
+            self.sums += torch.stack([loss.double() * len(y), correct(out.detach(), y)[0]])
+            first = (self.bad[0] < 0) & ~torch.isfinite(loss)
+            self.bad = torch.where(first, torch.stack([torch.full_like(self.bad[0], step), loss.double()]), self.bad)
+        self.items, self.images = self.items + y.numel(), self.images + len(y)
+
+    def read(self, world) -> tuple[int, float] | None:
+        """Fold the device sums into `partial`; the first bad (global step, loss) on any rank
+        (step -1 when it was another rank's), or None."""
+        loss_n, c, bad, value = torch.cat([self.sums, self.bad]).tolist()  # one wait for the device
+        bad = int(bad)
+        p = self.partial
+        self.partial = [p[0] + loss_n, p[1] + c, p[2] + self.items, p[3] + self.images]
+        self.sums.zero_()
+        self.items = self.images = 0
+        anywhere = distributed.sum_all([1.0 if bad >= 0 else 0.0], world)[0]
+        return None if not anywhere else (bad, value) if bad >= 0 else (-1, math.nan)
+
+    @property
+    def loss(self) -> float:
+        return self.partial[0] / max(self.partial[3], 1)
+
+
+def _epoch_row(epoch: int, partial: list[float], sched, seconds: float, images: int, world) -> dict:
+    p = distributed.sum_all(partial, world)  # loss·images, correct items, items, images
+    return {"epoch": epoch, "train_loss": p[0] / max(p[3], 1), "train_acc": p[1] / max(p[2], 1),
+            "lr": sched.get_last_lr()[0], "seconds": seconds, "images_per_s": images / max(seconds, 1e-9)}
+
+
+def _epoch_line(row: dict, sequence: bool) -> str:
+    extra = f", val loss {row['val_loss']:.4f}, val acc {row['val_acc']:.2%}" if "val_loss" in row else ""
+    if "val_loss" in row and sequence:
+        extra += f", whole sequences {row['val_seq_acc']:.2%}"
+    return (f"epoch {row['epoch'] + 1}: train loss {row['train_loss']:.4f}{extra}, {row['images_per_s']:,.0f} img/s, "
+            f"{row['seconds']:.1f} s")
+
+
+def _runnable(speed: Speed, dev: torch.device, say) -> Speed:
+    """A resumed run's settings on `dev`: a precision this device cannot run (fp16 saved on a
+    GPU, resumed on a CPU) becomes the next one it can, and says so."""
+    if _step.check(speed, dev) is None:
+        return speed
+    for p in ("bf16", "fp32"):
+        alt = replace(speed, precision=p)
+        if _step.check(alt, dev) is None:
+            say(f"{speed.precision} cannot run on {dev}: resuming in {p}")
+            return alt
+    return speed
+
+
+@contextlib.contextmanager
+def _determinism(on: bool):
+    """Deterministic kernels (cuDNN, cuBLAS, scatter-adds) for the run, where torch has them:
+    two runs with the same seed end with the same weights on the same device."""
+    if not on:
+        yield
+        return
+    # NOTE: cuBLAS reads this when it starts; set after the first CUDA matmul it is too late,
+    # and torch then warns instead of raising (warn_only).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark = before[2]
 
 
 def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Speed | None = None,
@@ -143,38 +279,46 @@ def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Spe
         config: a TrainConfig; speed: the settings to use (default: tuned on this machine
             when tune=True, else Speed()); pin: settings fixed by the user, e.g.
             {"batch_size": 64}, that tuning keeps; augment: batched augmentations.
+        device: 'cpu', 'cuda', 'cuda:N', or None for CUDA when there is one.
         run_dir: where the config, metrics, curves and checkpoints go (created).
-        resume: continue the run in run_dir from its last checkpoint.
+        resume: continue the run in run_dir from its last checkpoint (on this or another device).
 
     Returns:
         FitResult with the history and the best validation accuracy.
     """
     cfg = config or TrainConfig()
     _check_config(cfg)
+    if resume:
+        cfg = TrainConfig(**json.loads((Path(run_dir) / "config.json").read_text())["train"]) \
+            if run_dir and (Path(run_dir) / "config.json").is_file() else cfg
+    with _determinism(cfg.deterministic):
+        return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, resume, tune, progress, log)
+
+
+def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, resume, tune, progress, log):
     torch.manual_seed(cfg.seed)  # before the model is built: its initial weights follow the seed
     net, name = _model_and_name(model)
     try:
         dev = hardware.resolve_device(device)
     except ValueError as e:
         raise TrainfastError(str(e)) from None
-    world = distributed.setup(dev)
-    dev = world.device
-    say = log if world.is_main else (lambda *a, **k: None)
     train_pk = train if isinstance(train, Pack) else Pack(train)
     val_pk = None if val is None else (val if isinstance(val, Pack) else Pack(val))
     check_fits(net, train_pk)
     if val_pk is not None:
         check_fits(net, val_pk)
+    world = distributed.setup(dev)  # after the checks: a bad input stops every rank before any waits for the others
+    dev = world.device
+    say = log if world.is_main else (lambda *a, **k: None)
     run_dir = Path(run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if world.is_main:
         _prepare_run_dir(run_dir, resume)
     distributed.barrier(world)
 
-    tune_table, saved = [], None
+    tune_table = []
     if resume:
         saved = json.loads((run_dir / "config.json").read_text())
-        cfg = TrainConfig(**saved["train"])
-        speed = Speed(**saved["speed"])
+        speed = _runnable(Speed(**saved["speed"]), dev, say)
         augment = Augment(**saved["augment"])
         pin = {"batch_size": saved["user_batch_size"]}
     pin = dict(pin or {})
@@ -224,14 +368,15 @@ def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Spe
     log_csv = MetricsLog(run_dir / "metrics.csv")
     state = {"epoch": 0, "step": 0, "best": -1.0, "bad_epochs": 0, "partial": [0.0, 0.0, 0.0, 0.0]}
     if resume:
-        ck = checkpoint.load(run_dir / "last.pt", name, net, map_location=dev)
+        ck = checkpoint.load(run_dir / "last.pt", name, net)  # on the CPU; load_state_dict moves it
         net.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
         if scaler is not None and ck.get("scaler"):
             scaler.load_state_dict(ck["scaler"])
         loader.load_state_dict(ck["loader"])
-        torch.set_rng_state(ck["rng"])
+        if differs := checkpoint.set_rng_state(ck["rng"], dev):
+            say(f"note: {differs}")
         state = ck["state"]
         say(f"resuming {run_dir} at epoch {state['epoch'] + 1}, batch {loader.position} of {steps_per_epoch}")
     if world.is_main:
@@ -240,90 +385,103 @@ def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Spe
             (run_dir / "config.json").write_text(json.dumps(
                 {"model": name, "train": cfg.to_dict(), "speed": speed.to_dict(), "augment": asdict(augment),
                  "train_pack": str(train_pk.path), "val_pack": None if val is None else str(val_pk.path),
-                 "world_size": world.size, "lr": lr, "user_batch_size": user_batch}, indent=1))
+                 "world_size": world.size, "lr": lr, "user_batch_size": user_batch, "device": str(dev)},
+                indent=1))
             (run_dir / "speed.json").write_text(json.dumps(
                 {"speed": speed.to_dict(), "tried": tune_table, "machine": hardware.describe(dev)}, indent=1))
-    say(f"training {name} on {train_pk.path} ({loader.samples} images, {steps_per_epoch} steps/epoch) with "
+    say(f"training {name} on {train_pk.path} ({loader.samples} images, {steps_per_epoch} steps/epoch) on {dev} with "
         f"{speed.label()}{f' × {world.size} processes' if world.distributed else ''}, lr {lr:g}; run dir {run_dir}")
 
-    def save(which=("last.pt",)):
+    state.setdefault("position", loader.position)  # checkpoints from before it was kept in state
+    watch = _Watch(dev, state["partial"], every=READ_EVERY.get(dev.type, READ_EVERY["cuda"]))
+
+    def check(epoch: int) -> None:
+        """Read the device's sums; stop at a non-finite loss, naming its step and the last good checkpoint."""
+        found = watch.read(world)
+        state["partial"] = watch.partial
+        if found is None:
+            return
+        bad, value = found
+        at = (f"{value} at epoch {epoch + 1}, step {bad - epoch * steps_per_epoch} (global step {bad})" if bad >= 0
+              else "non-finite on another process")
+        last = run_dir / "last.pt"
+        kept = f"The last good checkpoint is {last}" if last.is_file() else "No checkpoint was written before it"
+        raise TrainfastError(f"the loss became {at}; stopped. {kept}; "
+                             f"try a lower --lr, --clip 1, or --precision fp32")
+
+    def save(epoch: int, which=("last.pt",)) -> None:
+        check(epoch)  # never a checkpoint of weights that went NaN
         if not world.is_main:
             return
+        # NOTE: the loader's own position counts batches it handed out; the checkpoint records
+        # the batches whose step is done, kept in `state` with the step count and the epoch.
+        position = {"seed": cfg.seed, "epoch": state["epoch"], "position": state["position"]}
         ck = {"model_name": name, "signature": checkpoint.signature(net), "model": net.state_dict(),
               "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
               "scaler": scaler.state_dict() if scaler is not None else None,
-              "loader": loader.state_dict(), "rng": torch.get_rng_state(), "state": state}
+              "loader": position, "rng": checkpoint.rng_state(dev), "state": state}
         for fn in which:
             checkpoint.save(run_dir / fn, ck)
 
     from tqdm import tqdm
 
     stopped = "finished"
-    previous_sigterm = signal.getsignal(signal.SIGTERM)
-    if world.is_main:  # a polite kill saves like Ctrl-C
-        signal.signal(signal.SIGTERM, _interrupt)
+    epoch = state["epoch"]
+    interrupts = _Interrupts(world.is_main)
     try:
-        while state["epoch"] < cfg.epochs:
-            epoch = state["epoch"]
-            if loader.position == 0:
-                loader.set_epoch(epoch)
-            started, done_before = time.perf_counter(), loader.position
-            bar = tqdm(total=steps_per_epoch, initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                       unit="step", disable=not (progress and world.is_main), dynamic_ncols=True, leave=True)
-            for x, y in loader:
-                loss, out = _step.forward_loss(trained, x, y, speed, dev, cfg.label_smoothing)
-                value = float(loss.detach())
-                bad = distributed.sum_all([0.0 if math.isfinite(value) else 1.0], world)[0]
-                if bad:
-                    raise TrainfastError(f"the loss became {value} at epoch {epoch + 1}, step {loader.position} "
-                                         f"(global step {state['step'] + 1}); stopped. The last good checkpoint is "
-                                         f"{run_dir / 'last.pt'}; try a lower --lr, --clip 1, or --precision fp32")
-                _step.backward(loss, scaler)
-                _step.optimizer_step(opt, scaler, cfg.clip, net)
-                sched.step()
-                c, _, n = correct(out.detach(), y)
-                p = state["partial"]
-                state["partial"] = [p[0] + value * len(x), p[1] + c, p[2] + n, p[3] + len(x)]
-                state["step"] += 1
-                bar.update(1)
-                if bar.n % 5 == 0 or bar.n == steps_per_epoch:
-                    rate = (bar.n - done_before) * speed.batch_size * world.size / (time.perf_counter() - started)
-                    bar.set_postfix_str(f"loss {state['partial'][0] / state['partial'][3]:.3f}, {rate:,.0f} img/s")
-                if cfg.save_every and state["step"] % cfg.save_every == 0:
-                    save()
-            bar.close()
-            seconds = time.perf_counter() - started
-            p = distributed.sum_all(state["partial"], world)
-            row = {"epoch": epoch, "train_loss": p[0] / max(p[3], 1), "train_acc": p[1] / max(p[2], 1),
-                   "lr": sched.get_last_lr()[0], "seconds": seconds,
-                   "images_per_s": (steps_per_epoch - done_before) * speed.batch_size * world.size / seconds}
-            if val_loader is not None:
-                v = evaluate(net, val_loader, speed, dev, world)
-                row.update(val_loss=v["loss"], val_acc=v["acc"], val_seq_acc=v["seq_acc"])
-            score = row.get("val_acc", row["train_acc"])
-            improved = score > state["best"]
-            state.update(epoch=epoch + 1, partial=[0.0, 0.0, 0.0, 0.0],
-                         best=max(state["best"], score), bad_epochs=0 if improved else state["bad_epochs"] + 1)
-            if world.is_main:
-                log_csv.add(row)
-                plot_curves(log_csv.rows, run_dir / "curves.png", train_pk.sequence_length is not None)
-            save(("last.pt", "best.pt") if improved else ("last.pt",))
-            extra = f", val loss {row['val_loss']:.4f}, val acc {row['val_acc']:.2%}" if "val_loss" in row else ""
-            if "val_loss" in row and train_pk.sequence_length:
-                extra += f", whole sequences {row['val_seq_acc']:.2%}"
-            say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f}{extra}, {row['images_per_s']:,.0f} img/s, "
-                f"{seconds:.1f} s")
-            if cfg.patience and state["bad_epochs"] >= cfg.patience:
-                stopped = "early-stopped"
-                say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
-                break
+        with interrupts:
+            while state["epoch"] < cfg.epochs:
+                epoch = state["epoch"]
+                if loader.position == 0:
+                    loader.set_epoch(epoch)
+                started, done_before = time.perf_counter(), loader.position
+                bar = tqdm(total=steps_per_epoch, initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                           unit="step", disable=not (progress and world.is_main), dynamic_ncols=True, leave=True)
+                for x, y in loader:
+                    with interrupts.step():
+                        loss, out = _step.forward_loss(trained, x, y, speed, dev, cfg.label_smoothing)
+                        _step.backward(loss, scaler)
+                        _step.optimizer_step(opt, scaler, cfg.clip, net)
+                        sched.step()
+                        state.update(step=state["step"] + 1, position=state["position"] + 1)
+                        watch.add(loss, out, y, state["step"])
+                    bar.update(1)
+                    if cfg.save_every and state["step"] % cfg.save_every == 0:
+                        save(epoch)
+                    elif state["step"] % watch.every == 0:
+                        check(epoch)
+                    if state["step"] % watch.every == 0 or bar.n == steps_per_epoch:
+                        rate = (bar.n - done_before) * speed.batch_size * world.size / (time.perf_counter() - started)
+                        bar.set_postfix_str(f"loss {watch.loss:.3f}, {rate:,.0f} img/s", refresh=False)
+                check(epoch)
+                bar.close()
+                seconds = time.perf_counter() - started
+                row = _epoch_row(epoch, state["partial"], sched, seconds,
+                                 (steps_per_epoch - done_before) * speed.batch_size * world.size, world)
+                if val_loader is not None:
+                    v = evaluate(net, val_loader, speed, dev, world)
+                    row.update(val_loss=v["loss"], val_acc=v["acc"], val_seq_acc=v["seq_acc"])
+                score = row.get("val_acc", row["train_acc"])
+                improved = score > state["best"]
+                state.update(epoch=epoch + 1, position=0, partial=[0.0, 0.0, 0.0, 0.0],
+                             best=max(state["best"], score), bad_epochs=0 if improved else state["bad_epochs"] + 1)
+                watch.partial = state["partial"]
+                if world.is_main:
+                    log_csv.add(row)
+                    plot_curves(log_csv.rows, run_dir / "curves.png", train_pk.sequence_length is not None)
+                save(epoch, ("last.pt", "best.pt") if improved else ("last.pt",))
+                say(_epoch_line(row, train_pk.sequence_length))
+                if cfg.patience and state["bad_epochs"] >= cfg.patience:
+                    stopped = "early-stopped"
+                    say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
+                    break
     except KeyboardInterrupt:
-        save()
-        say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
+        if interrupts.torn:  # a second Ctrl-C mid-step: weights and position may disagree; keep the last save
+            say(f"\ninterrupted mid-step; the last checkpoint {run_dir / 'last.pt'} is from before it")
+        else:
+            save(epoch)
+            say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
         raise
     finally:
-        if world.is_main:
-            signal.signal(signal.SIGTERM, previous_sigterm)
         distributed.barrier(world)
-    result = FitResult(run_dir, log_csv.rows, state["best"], speed, stopped)
-    return result
+    return FitResult(run_dir, log_csv.rows, state["best"], speed, stopped)

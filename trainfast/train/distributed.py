@@ -1,8 +1,9 @@
 """Distributed training is PyTorch's DDP launched by torchrun (DESIGN.md, decision 4).
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; `setup()` reads them, joins the process
-group (gloo on CPU, NCCL on CUDA) and picks this process's device. Without torchrun it is
-a world of one and nothing here does anything.
+group (gloo on CPU, NCCL on CUDA) and picks this process's device: cuda:LOCAL_RANK, one
+process per GPU, or the CPU for every process with device "cpu" (even where CUDA exists).
+Without torchrun it is a world of one and nothing here does anything.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from trainfast.errors import TrainfastError
 
 
 @dataclass
@@ -36,6 +39,10 @@ def setup(device: torch.device) -> World:
         return World(device=device)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
+        here, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", size)), torch.cuda.device_count()
+        if here > gpus:  # before any process group: every rank stops at once, none waits for the others
+            raise TrainfastError(f"{here} processes on a machine with {gpus} CUDA device{'s' if gpus != 1 else ''}: "
+                                 f"use --nproc_per_node {gpus}, or --device cpu")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -1,11 +1,14 @@
 """Shared fixtures: small image datasets made on the spot (no downloads, nothing in git)."""
 
 import os
+import signal
 import struct
 import zlib
 
 import numpy as np
 import pytest
+import torch
+import torch.nn as nn
 from PIL import Image
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # Keras tests run without TensorFlow
@@ -31,6 +34,20 @@ def png_bomb(path, width=40000, height=40000):
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1000)) + chunk(b"IEND", b"")
     path.write_bytes(data)
+
+
+HAVE_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])])
+def device(request):
+    """Each device this machine has, for behaviour that must hold on all of them.
+
+    NOTE: trainfast picks CUDA when there is one, so a test that means the CPU says
+    device="cpu"; a test that leaves the device out would mean different things on different
+    machines."""
+    return request.param
 
 
 @pytest.fixture
@@ -78,3 +95,23 @@ def small_net_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "small_net.py"
     path.write_text(SMALL_NET)
     return path
+
+
+class Signals(nn.Module):
+    """Sends this process `sig` from inside its `at`-th forward pass in training (or evaluation) mode."""
+
+    input_shape, output_shape = (3, 32, 32), (10,)
+
+    def __init__(self, at=None, sig=signal.SIGINT, when="train"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+                                 nn.Dropout(0.2), nn.Linear(128, 10))
+        self.at, self.sig, self.when, self.calls = at, sig, when, 0
+
+    def forward(self, x):
+        if self.training == (self.when == "train"):
+            self.calls += 1
+            if self.calls == self.at:
+                os.kill(os.getpid(), self.sig)
+        return self.net(x)

@@ -1,10 +1,17 @@
-"""A 2-process torchrun run on CPU (gloo) against one process with the same global batch."""
+"""torchrun: 2 processes on CPU (gloo) against one process with the same global batch; the one-line
+refusal of more processes than GPUs."""
 
 import csv
+import json
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from trainfast.cli import main
+from trainfast.errors import TrainfastError
+from trainfast.train import distributed
 
 
 def _losses(run):
@@ -15,7 +22,8 @@ def _losses(run):
 def test_torchrun_two_processes_match_one(digits_packs, small_net_file, tmp_path):
     train, _ = digits_packs
     common = ["train", str(train.path), "--model", f"{small_net_file}:small", "--epochs", "2", "--no-tune",
-              "--precision", "fp32", "--threads", "1", "-q"]
+              "--precision", "fp32", "--threads", "1", "-q",
+              "--device", "cpu"]  # gloo on the CPU, even where CUDA exists
     one = subprocess.run([sys.executable, "-m", "trainfast", *common, "--batch-size", "32",
                           "--run-dir", str(tmp_path / "one")], capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
@@ -28,3 +36,32 @@ def test_torchrun_two_processes_match_one(digits_packs, small_net_file, tmp_path
     assert len(a) == len(b) == 2
     assert all(abs(x - y) <= 1e-3 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
     assert (tmp_path / "two" / "last.pt").exists()
+
+
+def _torchrun_env(monkeypatch, rank, world, tmp_path=None):
+    for k, v in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}.items():
+        monkeypatch.setenv(k, str(v))
+
+
+def test_more_processes_than_gpus_is_refused_before_any_process_group(monkeypatch):
+    """What every rank of `torchrun --nproc_per_node 2` meets on a machine with one GPU."""
+    _torchrun_env(monkeypatch, 1, 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("took a device before refusing"))
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("joined a group"))
+    with pytest.raises(TrainfastError, match=r"^2 processes on a machine with 1 CUDA device: use --nproc_per_node 1, "
+                                             r"or --device cpu$"):
+        distributed.setup(torch.device("cuda"))
+
+
+def test_under_torchrun_rank_0_says_the_error_and_every_rank_leaves_it_for_torchrun(monkeypatch, tmp_path, capsys):
+    errors = []
+    for rank in (0, 1):
+        _torchrun_env(monkeypatch, rank, 2)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error{rank}.json"))
+        assert main(["train", str(tmp_path / "missing.pack"), "--model", "cifar_cnn", "--device", "cpu"]) == 1
+        errors.append(capsys.readouterr().err)
+    assert errors[0].count("\n") == 1 and "missing.pack" in errors[0] and errors[1] == ""
+    for rank in (0, 1):  # torchrun's failure summary shows this message instead of a link to its docs
+        left = json.loads((tmp_path / f"error{rank}.json").read_text())
+        assert left["message"] == errors[0].strip() and int(left["timestamp"]) > 0

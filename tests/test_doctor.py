@@ -30,8 +30,8 @@ def pack(tmp_path_factory):
                           progress=False)
 
 
-def test_report_json_schema(pack):
-    r = doctor(Tiny(), pack, batch_size=16, steps=4, warmup=1, try_fixes=False)
+def test_report_json_schema(pack, device):
+    r = doctor(Tiny(), pack, batch_size=16, steps=4, warmup=1, try_fixes=False, device=device)
     d = json.loads(json.dumps(r.to_dict()))
     assert d["schema"] == 1
     assert set(d) >= {"model", "data", "system", "peaks", "cost", "speed", "steps", "roofline", "verdict",
@@ -39,22 +39,26 @@ def test_report_json_schema(pack):
     assert set(d["steps"]) >= {"data", "copy", "forward", "backward", "optimizer", "other", "step", "images_per_s"}
     assert d["verdict"]["kind"] in ("input-bound", "compute-bound", "overhead-bound")
     assert d["cost"]["params"] == sum(p.numel() for p in Tiny().parameters())
-    assert "float32" in d["peaks"]["matmul_flops"]
+    assert "float32" in d["peaks"]["matmul_flops"] and d["system"]["device"].startswith(device)
+    if device == "cuda":  # the GPU is named, with its measured low-precision peaks
+        assert d["system"]["gpus"][0]["name"] and {"bfloat16", "float16"} & set(d["peaks"]["matmul_flops"])
 
 
 def test_html_holds_both_charts(pack, tmp_path):
     out = tmp_path / "r.html"
     assert main(["doctor", "--model", "cifar_cnn", "--data", str(pack.path), "--batch-size", "8", "--steps", "2",
-                 "--no-fixes", "--html", str(out)]) == 1  # cifar_cnn takes 32×32; the pack is 16×16
+                 "--no-fixes", "--html", str(out), "--device", "cpu"]) == 1  # cifar_cnn takes 32×32; the pack is 16×16
     assert not out.exists()
-    r = doctor(Tiny(), pack, batch_size=16, steps=3, warmup=1, try_fixes=False)
+    r = doctor(Tiny(), pack, batch_size=16, steps=3, warmup=1, try_fixes=False, device="cpu")
     page = r.html()
     assert page.count("<svg") == 2 and 'id="step-breakdown"' in page and 'id="layer-cost"' in page
 
 
-def test_fixes_are_measured(pack):
-    r = doctor(Tiny(), pack, batch_size=16, steps=3, warmup=1)
-    compute_side = [rec for rec in r.recommendations if "data" not in rec.evidence]
+def test_fixes_are_measured(pack, device):
+    r = doctor(Tiny(), pack, batch_size=16, steps=3, warmup=1, device=device)
+    on_gpu = [rec for rec in r.recommendations if rec.action == "--device cuda"]
+    assert len(on_gpu) == (device == "cpu" and torch.cuda.is_available())  # a GPU left unused is pointed out
+    compute_side = [rec for rec in r.recommendations if "data" not in rec.evidence and rec not in on_gpu]
     assert all(rec.measured and "images/s" in rec.evidence for rec in compute_side)
     assert all(rec.action for rec in r.recommendations)
     assert [rec.speedup for rec in r.recommendations] == sorted((rec.speedup for rec in r.recommendations), reverse=True)
@@ -62,7 +66,7 @@ def test_fixes_are_measured(pack):
 
 def test_unpacked_folder_is_timed_per_image_and_pack_is_tried(image_folder):
     net = Tiny()
-    r = doctor(net, image_folder, batch_size=8, steps=2, warmup=1)
+    r = doctor(net, image_folder, batch_size=8, steps=2, warmup=1, device="cpu")
     assert "decoded per image" in r.data
     if r.times.share("data") >= 0.05:
         assert any("Pack" in rec.title and rec.measured for rec in r.recommendations)
@@ -81,22 +85,22 @@ def test_peaks_are_cached_and_reused(monkeypatch):
 
 def test_bad_inputs(pack, tmp_path):
     with pytest.raises(TrainfastError, match="known models"):
-        doctor("resnet9000", pack)
+        doctor("resnet9000", pack, device="cpu")
     with pytest.raises(TrainfastError, match="no such file"):
-        doctor("missing.py:net", pack)
+        doctor("missing.py:net", pack, device="cpu")
     f = tmp_path / "m.py"
     f.write_text("import torch.nn as nn\ndef net():\n    return 3\ndef good():\n    return nn.Linear(2, 2)\n")
     with pytest.raises(TrainfastError, match="returned int, not a torch.nn.Module"):
-        doctor(f"{f}:net", pack)
+        doctor(f"{f}:net", pack, device="cpu")
     with pytest.raises(TrainfastError, match="has no 'other'; it defines"):
-        doctor(f"{f}:other", pack)
+        doctor(f"{f}:other", pack, device="cpu")
     with pytest.raises(TrainfastError, match="the model takes 3×32×32"):
-        doctor("cifar_cnn", pack, batch_size=8, steps=2)
+        doctor("cifar_cnn", pack, batch_size=8, steps=2, device="cpu")
     if not torch.cuda.is_available():
         with pytest.raises(TrainfastError, match="cuda"):
             doctor(Tiny(), pack, device="cuda")
     with pytest.raises(TrainfastError, match="too few"):
-        doctor(Tiny(), pack, batch_size=1000)
+        doctor(Tiny(), pack, batch_size=1000, device="cpu")
 
 
 def test_model_failing_on_shape_names_the_layer(tmp_path):
@@ -106,11 +110,11 @@ def test_model_failing_on_shape_names_the_layer(tmp_path):
             self.net[3] = nn.Linear(10, 4)
     x = [(torch.rand(4, 3, 16, 16), torch.randint(0, 4, (4,))) for _ in range(3)]
     with pytest.raises(TrainfastError, match=r"at layer net.3 \(Linear\), which received \(1568,\)"):
-        doctor(Wrong(), x, steps=1, warmup=0)
+        doctor(Wrong(), x, steps=1, warmup=0, device="cpu")
 
 
 def test_cli_text_report(pack, capsys):
-    assert main(["doctor", "--model", "plate_cnn", "--data", str(pack.path), "--steps", "2"]) == 1
+    assert main(["doctor", "--model", "plate_cnn", "--data", str(pack.path), "--steps", "2", "--device", "cpu"]) == 1
     assert "the model takes 3×64×128" in capsys.readouterr().err
 
 
@@ -118,7 +122,8 @@ def test_a_cpu_without_bf16_instructions_gets_no_bf16_peak_and_is_told(pack, mon
     """torch emulates bf16 on such a CPU (about 1 GFLOP/s): no peak to quote, no bf16 fix to try."""
     monkeypatch.setattr(hardware, "isa_features", lambda: ["AVX2"])
     monkeypatch.setattr(hardware, "machine_key", lambda d: "avx2-only test machine")  # its own cache entry
-    r = doctor(Tiny(), pack, batch_size=16, steps=2, warmup=1)
+    r = doctor(Tiny(), pack, batch_size=16, steps=2, warmup=1, device="cpu")
     assert set(r.peaks["matmul_flops"]) == {"float32"}
-    assert "no AVX512-BF16 or AMX-BF16 instructions" in trainfast.doctor.report.render_text(r)
+    text = trainfast.doctor.report.render_text(r)
+    assert "bf16 is emulated here" in text and "no AVX512-BF16 or AMX-BF16 instructions" in text
     assert not any("bf16" in rec.title for rec in r.recommendations)

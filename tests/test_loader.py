@@ -16,95 +16,96 @@ def pack(tmp_path_factory):
 
 
 def _labels_of(loader):
-    return np.concatenate([y.numpy() for _, y in loader])
+    return np.concatenate([y.cpu().numpy() for _, y in loader])
 
 
-def test_batches_shapes_layout_and_values(pack):
-    loader = Loader(pack, batch_size=10, shuffle=False, drop_last=False, normalize=False)
+def test_batches_shapes_layout_and_values(pack, device):
+    loader = Loader(pack, batch_size=10, shuffle=False, drop_last=False, normalize=False, device=device)
     assert len(loader) == 11
     x, y = next(iter(loader))
     assert x.shape == (10, 3, 8, 12) and x.dtype == torch.float32 and y.dtype == torch.int64
-    assert x.is_contiguous(memory_format=torch.channels_last)
+    assert x.is_contiguous(memory_format=torch.channels_last) and x.device.type == device
     expected = torch.from_numpy(np.array(pack.images[:10])).permute(0, 3, 1, 2).float() / 255
-    assert torch.allclose(x, expected)
+    assert torch.allclose(x.cpu(), expected)
 
 
-def test_uint8_output_is_the_stored_bytes_without_copy_of_layout(pack):
-    loader = Loader(pack, batch_size=4, shuffle=False, dtype=torch.uint8)
+def test_uint8_output_is_the_stored_bytes_without_copy_of_layout(pack, device):
+    loader = Loader(pack, batch_size=4, shuffle=False, dtype=torch.uint8, device=device)
     x, _ = next(iter(loader))
     assert x.dtype == torch.uint8 and x.is_contiguous(memory_format=torch.channels_last)
-    assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), pack.images[:4])
+    assert np.array_equal(x.permute(0, 2, 3, 1).cpu().numpy(), pack.images[:4])
 
 
-def test_normalised_by_pack_mean_std(pack):
-    x = torch.cat([b for b, _ in Loader(pack, batch_size=103, shuffle=False)])
+def test_normalised_by_pack_mean_std(pack, device):
+    x = torch.cat([b for b, _ in Loader(pack, batch_size=103, shuffle=False, device=device)]).cpu()
     assert torch.allclose(x.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-3)
     assert torch.allclose(x.std(dim=(0, 2, 3)), torch.ones(3), atol=1e-2)
 
 
-def test_bf16_output(pack):
-    x, _ = next(iter(Loader(pack, batch_size=8, dtype=torch.bfloat16)))
+def test_bf16_output(pack, device):
+    x, _ = next(iter(Loader(pack, batch_size=8, dtype=torch.bfloat16, device=device)))
     assert x.dtype == torch.bfloat16
 
 
-def test_order_fresh_each_epoch_and_deterministic(pack):
-    a = Loader(pack, batch_size=10, seed=1)
+def test_order_fresh_each_epoch_and_deterministic(pack, device):
+    a = Loader(pack, batch_size=10, seed=1, device=device)
     e0, e1 = _labels_of(a), _labels_of(a)
     assert a.epoch == 2
     assert not np.array_equal(a.indices(0), a.indices(1))
-    b = Loader(pack, batch_size=10, seed=1)
+    b = Loader(pack, batch_size=10, seed=1, device=device)
     assert np.array_equal(_labels_of(b), e0) and np.array_equal(_labels_of(b), e1)
-    assert not np.array_equal(Loader(pack, batch_size=10, seed=2).indices(0), a.indices(0))
+    assert not np.array_equal(Loader(pack, batch_size=10, seed=2, device=device).indices(0), a.indices(0))
 
 
 def test_drop_last_default_follows_shuffle(pack):
-    assert len(Loader(pack, batch_size=10)) == 10
-    assert len(Loader(pack, batch_size=10, shuffle=False)) == 11
-    assert sum(len(y) for _, y in Loader(pack, batch_size=10, shuffle=False)) == 103
+    assert len(Loader(pack, batch_size=10, device="cpu")) == 10
+    assert len(Loader(pack, batch_size=10, shuffle=False, device="cpu")) == 11
+    assert sum(len(y) for _, y in Loader(pack, batch_size=10, shuffle=False, device="cpu")) == 103
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ddp_shards_disjoint_equal_and_complete(pack, world):
-    shards = [Loader(pack, batch_size=5, rank=r, world_size=world, seed=4).indices(3) for r in range(world)]
+    shards = [Loader(pack, batch_size=5, rank=r, world_size=world, seed=4, device="cpu").indices(3)
+              for r in range(world)]
     assert len({len(s) for s in shards}) == 1 and len(shards[0]) == 103 // world
     flat = np.concatenate(shards)
     assert len(set(flat.tolist())) == len(flat)  # disjoint
     assert len(flat) == 103 - 103 % world  # complete but for the remainder
     # the k-th batches of all ranks together are the k-th batch of one process at world × batch
-    single = Loader(pack, batch_size=5 * world, seed=4).indices(3)
+    single = Loader(pack, batch_size=5 * world, seed=4, device="cpu").indices(3)
     k = 1
     together = sorted(np.concatenate([s[k * 5:(k + 1) * 5] for s in shards]).tolist())
     assert together == sorted(single[k * 5 * world:(k + 1) * 5 * world].tolist())
 
 
-def test_state_dict_resumes_mid_epoch(pack):
-    full = Loader(pack, batch_size=10, seed=5)
+def test_state_dict_resumes_mid_epoch(pack, device):
+    full = Loader(pack, batch_size=10, seed=5, device=device)
     ref = [y.clone() for _, y in full] + [y.clone() for _, y in full]
-    part = Loader(pack, batch_size=10, seed=5)
+    part = Loader(pack, batch_size=10, seed=5, device=device)
     it = iter(part)
     got = [next(it)[1].clone() for _ in range(4)]
     state = part.state_dict()
     assert state == {"epoch": 0, "position": 4, "seed": 5}
-    resumed = Loader(pack, batch_size=10, seed=5)
+    resumed = Loader(pack, batch_size=10, seed=5, device=device)
     resumed.load_state_dict(state)
     got += [y for _, y in resumed] + [y for _, y in resumed]
     assert all(torch.equal(a, b) for a, b in zip(got, ref)) and len(got) == len(ref)
 
 
-def test_jpeg_pack_loads_like_raw(tmp_path, image_folder):
+def test_jpeg_pack_loads_like_raw(tmp_path, image_folder, device):
     raw = trainfast.pack(image_folder, tmp_path / "r", size=(16, 16), encoding="raw", progress=False)
     jpg = trainfast.pack(image_folder, tmp_path / "j", size=(16, 16), encoding="jpeg", quality=100, progress=False)
-    xr, yr = next(iter(Loader(raw, batch_size=24, seed=0, dtype=torch.uint8)))
-    xj, yj = next(iter(Loader(jpg, batch_size=24, seed=0, dtype=torch.uint8, workers=2)))
+    xr, yr = next(iter(Loader(raw, batch_size=24, seed=0, dtype=torch.uint8, device=device)))
+    xj, yj = next(iter(Loader(jpg, batch_size=24, seed=0, dtype=torch.uint8, workers=2, device=device)))
     assert torch.equal(yr, yj)
     assert (xr.float() - xj.float()).abs().mean() < 4
 
 
-def test_augmentations_change_images_deterministically(pack):
+def test_augmentations_change_images_deterministically(pack, device):
     aug = Augment(crop_pad=2, flip=True, brightness=0.3, contrast=0.3, cutout=3)
-    a = [x for x, _ in Loader(pack, batch_size=20, seed=1, augment=aug)]
-    b = [x for x, _ in Loader(pack, batch_size=20, seed=1, augment=aug)]
-    plain = [x for x, _ in Loader(pack, batch_size=20, seed=1)]
+    a = [x for x, _ in Loader(pack, batch_size=20, seed=1, augment=aug, device=device)]
+    b = [x for x, _ in Loader(pack, batch_size=20, seed=1, augment=aug, device=device)]
+    plain = [x for x, _ in Loader(pack, batch_size=20, seed=1, device=device)]
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     assert not torch.equal(a[0], plain[0])
     assert a[0].is_contiguous(memory_format=torch.channels_last)
@@ -112,36 +113,27 @@ def test_augmentations_change_images_deterministically(pack):
 
 def test_bad_arguments(pack, tmp_path):
     with pytest.raises(TrainfastError, match="too few"):
-        Loader(pack, batch_size=1000)
+        Loader(pack, batch_size=1000, device="cpu")
     with pytest.raises(TrainfastError, match="rank"):
-        Loader(pack, batch_size=4, rank=2, world_size=2)
+        Loader(pack, batch_size=4, rank=2, world_size=2, device="cpu")
     with pytest.raises(TrainfastError, match="need a float dtype"):
-        Loader(pack, batch_size=4, dtype=torch.uint8, augment=Augment(brightness=0.1))
+        Loader(pack, batch_size=4, dtype=torch.uint8, augment=Augment(brightness=0.1), device="cpu")
     with pytest.raises(TrainfastError, match="not a pack"):
-        Loader(tmp_path, batch_size=4)
+        Loader(tmp_path, batch_size=4, device="cpu")
     if not torch.cuda.is_available():
         with pytest.raises(TrainfastError, match="cuda"):
             Loader(pack, batch_size=4, device="cuda")
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_batches_are_on_device_and_match_cpu(pack):
-    cpu = [x for x, _ in Loader(pack, batch_size=16, seed=2, device="cpu")]
-    gpu = [x for x, _ in Loader(pack, batch_size=16, seed=2, device="cuda")]
-    assert gpu[0].device.type == "cuda"
-    assert all(torch.allclose(c, g.cpu(), atol=1e-5) for c, g in zip(cpu, gpu))
-
-
-def test_colour_path_normalises_like_the_plain_path(pack):
+def test_colour_path_normalises_like_the_plain_path(pack, device):
     # brightness 1e-9 switches the colour path on but changes nothing measurable
-    a = next(iter(Loader(pack, batch_size=16, seed=3, augment=Augment(brightness=1e-9))))[0]
-    b = next(iter(Loader(pack, batch_size=16, seed=3)))[0]
+    a = next(iter(Loader(pack, batch_size=16, seed=3, augment=Augment(brightness=1e-9), device=device)))[0]
+    b = next(iter(Loader(pack, batch_size=16, seed=3, device=device)))[0]
     assert torch.allclose(a, b, atol=1e-5)
 
 
 def test_subset_draws_only_from_it(pack):
     subset = np.arange(50, 90)
-    loader = Loader(pack, batch_size=8, subset=subset, seed=1)
+    loader = Loader(pack, batch_size=8, subset=subset, seed=1, device="cpu")
     seen = np.concatenate([loader.indices(e) for e in range(3)])
     assert set(seen.tolist()) <= set(subset.tolist()) and len(loader) == 5

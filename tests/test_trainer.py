@@ -10,18 +10,22 @@ import torch
 import torch.nn as nn
 
 import trainfast
+from conftest import Signals
 from trainfast.cli import main
 from trainfast.config import Speed, TrainConfig
 from trainfast.errors import TrainfastError
 from trainfast.train import fit
 from trainfast.train.trainer import evaluate
 
-FAST = Speed("bf16" if "AVX512-BF16" in trainfast.hardware.isa_features() else "fp32", True, batch_size=64)
+def fast(device: str) -> Speed:
+    """bf16 + channels_last where the device runs bf16 fast, else fp32 + channels_last."""
+    bf16 = trainfast.step.supports_bf16(torch.device(device))
+    return Speed("bf16" if bf16 else "fp32", True, batch_size=64)
 
 
-def test_digits_reach_97_percent_with_a_complete_run_dir(digits_packs, tmp_path):
+def test_digits_reach_97_percent_with_a_complete_run_dir(digits_packs, tmp_path, device):
     train, test = digits_packs
-    r = fit("cifar_resnet", train, test, config=TrainConfig(epochs=4, seed=0), speed=FAST,
+    r = fit("cifar_resnet", train, test, config=TrainConfig(epochs=4, seed=0), speed=fast(device), device=device,
             run_dir=tmp_path / "run", progress=False, log=lambda *a: None)
     assert r.best >= 0.97, r.history
     files = {p.name for p in (tmp_path / "run").iterdir()}
@@ -31,17 +35,19 @@ def test_digits_reach_97_percent_with_a_complete_run_dir(digits_packs, tmp_path)
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["model"] == "cifar_resnet" and cfg["speed"]["batch_size"] == 64 and cfg["train"]["epochs"] == 4
     assert "machine" in json.loads((tmp_path / "run" / "speed.json").read_text())
+    assert cfg["device"].startswith(device)
 
 
 def _weights(path):
-    return torch.load(path, weights_only=True)["model"]
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
-def test_kill_and_resume_matches_uninterrupted(digits_packs, small_net_file, tmp_path):
+def test_kill_and_resume_matches_uninterrupted(digits_packs, small_net_file, tmp_path, device):
     train, _ = digits_packs
     spec = f"{small_net_file}:small"
     args = ["train", str(train.path), "--model", spec, "--epochs", "3", "--no-tune", "--precision", "fp32",
-            "--batch-size", "32", "--save-every", "7", "--val-fraction", "0.1", "-q"]
+            "--batch-size", "32", "--save-every", "7", "--val-fraction", "0.1", "-q", "--device", device,
+            "--deterministic"]  # deterministic cuDNN/cuBLAS kernels: two CUDA runs agree bit for bit
     assert main(args + ["--run-dir", str(tmp_path / "whole")]) == 0
     run = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "trainfast", *args, "--run-dir", str(run)],
@@ -56,7 +62,7 @@ def test_kill_and_resume_matches_uninterrupted(digits_packs, small_net_file, tmp
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (run / "last.pt").exists()
-    assert main(["train", "--resume", str(run), "-q"]) == 0
+    assert main(["train", "--resume", str(run), "-q", "--device", device]) == 0
     a, b = _weights(tmp_path / "whole" / "last.pt"), _weights(run / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows_a = (tmp_path / "whole" / "metrics.csv").read_text()
@@ -81,13 +87,15 @@ class Explodes(nn.Module):
         return y * float("nan") if self.calls > self.ok else y
 
 
-def test_nan_guard_names_the_step_and_keeps_last_good(digits_packs, tmp_path):
+def test_nan_guard_names_the_step_and_keeps_last_good(digits_packs, tmp_path, device):
+    """On CUDA the guard reads the device every 25 steps: step 26 is still named, and the
+    checkpoint kept is still the last good one."""
     train, test = digits_packs
     run = tmp_path / "run"
     with pytest.raises(TrainfastError, match=r"loss became nan at epoch 2, step 4 \(global step 26\).*last.pt"):
-        fit(Explodes(25), train, test, config=TrainConfig(epochs=3), speed=Speed(batch_size=64),
+        fit(Explodes(25), train, test, config=TrainConfig(epochs=3), speed=Speed(batch_size=64), device=device,
             run_dir=run, progress=False, log=lambda *a: None)
-    ck = torch.load(run / "last.pt", weights_only=True)
+    ck = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
     assert ck["state"]["epoch"] == 1 and all(torch.isfinite(v).all() for v in ck["model"].values())
 
 
@@ -95,20 +103,22 @@ def test_bad_inputs(digits_packs, tmp_path, small_net_file):
     train, test = digits_packs
     quiet = dict(progress=False, log=lambda *a: None)
     with pytest.raises(TrainfastError, match="holds 3×32×32 images; the model takes 3×64×128"):
-        fit("plate_cnn", train, config=TrainConfig(epochs=1), speed=Speed(), run_dir=tmp_path / "a", **quiet)
+        fit("plate_cnn", train, config=TrainConfig(epochs=1), speed=Speed(), device="cpu", run_dir=tmp_path / "a",
+            **quiet)
     with pytest.raises(TrainfastError, match="fp16 training needs a CUDA device"):
         fit("cifar_cnn", train, speed=Speed("fp16"), device="cpu", run_dir=tmp_path / "b", **quiet)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(TrainfastError, match="cannot write the run directory"):
-        fit("cifar_cnn", train, speed=Speed(), run_dir=blocker / "run", **quiet)
+        fit("cifar_cnn", train, speed=Speed(), device="cpu", run_dir=blocker / "run", **quiet)
     with pytest.raises(TrainfastError, match="not a run directory to resume"):
-        fit("cifar_cnn", train, run_dir=tmp_path / "nothing", resume=True, **quiet)
+        fit("cifar_cnn", train, device="cpu", run_dir=tmp_path / "nothing", resume=True, **quiet)
     run = tmp_path / "r"
-    fit(f"{small_net_file}:small", train, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), run_dir=run, **quiet)
+    fit(f"{small_net_file}:small", train, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), device="cpu",
+        run_dir=run, **quiet)
     (run / "last.pt").write_bytes(b"garbage")
     with pytest.raises(TrainfastError, match="not a readable checkpoint"):
-        fit(f"{small_net_file}:small", train, run_dir=run, resume=True, **quiet)
+        fit(f"{small_net_file}:small", train, device="cpu", run_dir=run, resume=True, **quiet)
 
 
 def test_checkpoint_of_another_model_is_refused(digits_packs, tmp_path, small_net_file):
@@ -116,22 +126,22 @@ def test_checkpoint_of_another_model_is_refused(digits_packs, tmp_path, small_ne
 
     train, _ = digits_packs
     run = tmp_path / "r"
-    fit(f"{small_net_file}:small", train, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), run_dir=run,
-        progress=False, log=lambda *a: None)
+    fit(f"{small_net_file}:small", train, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), device="cpu",
+        run_dir=run, progress=False, log=lambda *a: None)
     with pytest.raises(TrainfastError, match="does not fit 'cifar_cnn'"):
         checkpoint.load(run / "last.pt", "cifar_cnn", trainfast.models.create("cifar_cnn"))
 
 
-def test_sequence_metrics(tmp_path):
+def test_sequence_metrics(tmp_path, device):
     import numpy as np
     rng = np.random.default_rng(0)
     images = rng.integers(0, 255, (64, 64, 128, 3), dtype=np.uint8)
     labels = rng.integers(0, 36, (64, 8))
     src = trainfast.data.sources.from_arrays(images, labels, alphabet="0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
     pk = trainfast.pack(src, tmp_path / "p", size=(64, 128), progress=False)
-    net = trainfast.models.create("plate_net")
-    m = evaluate(net, trainfast.Loader(pk, 16, shuffle=False), Speed(), torch.device("cpu"),
-                 trainfast.train.distributed.World())
+    net = trainfast.models.create("plate_net").to(device)
+    m = evaluate(net, trainfast.Loader(pk, 16, shuffle=False, device=device), Speed(), torch.device(device),
+                 trainfast.train.distributed.World(device=torch.device(device)))
     assert 0 <= m["seq_acc"] <= m["acc"] <= 1 and m["loss"] > 0
 
 
@@ -144,3 +154,65 @@ def test_cosine_schedule_warms_up_linearly_then_decays_to_zero():
     assert all(a <= b for a, b in zip(f[:20], f[1:20])) and all(a >= b for a, b in zip(f[20:], f[21:]))
     assert f[60] == pytest.approx(0.5, abs=0.02) and f[99] < 0.001
     assert {lr_factor(TrainConfig(schedule="constant"), s, 100) for s in range(100)} == {1.0}
+
+
+def test_nan_guard_read_late_still_names_the_step_and_keeps_last_good(digits_packs, tmp_path, monkeypatch):
+    """The guard as it runs on CUDA (the device read every few steps), here on the CPU."""
+    monkeypatch.setitem(trainfast.train.trainer.READ_EVERY, "cpu", 7)
+    train, test = digits_packs
+    with pytest.raises(TrainfastError, match=r"loss became nan at epoch 2, step 4 \(global step 26\).*last.pt"):
+        fit(Explodes(25), train, test, config=TrainConfig(epochs=3, save_every=20), speed=Speed(batch_size=64),
+            device="cpu", run_dir=tmp_path / "run", progress=False, log=lambda *a: None)
+    ck = torch.load(tmp_path / "run" / "last.pt", map_location="cpu", weights_only=True)
+    assert ck["state"]["step"] == 22 and all(torch.isfinite(v).all() for v in ck["model"].values())
+
+
+def test_nan_before_any_checkpoint_names_none(digits_packs, tmp_path):
+    train, test = digits_packs
+    with pytest.raises(TrainfastError, match="global step 3\\).*No checkpoint was written before it"):
+        fit(Explodes(2), train, test, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), device="cpu",
+            run_dir=tmp_path / "run", progress=False, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("sig,when,at", [(signal.SIGINT, "train", 5), (signal.SIGTERM, "train", 30),
+                                         (signal.SIGINT, "eval", 2)])
+def test_interrupt_at_any_moment_resumes_to_the_same_weights(digits_packs, tmp_path, sig, when, at):
+    """Mid-step (the signal lands inside the forward pass) or during validation: the checkpoint's
+    weights, step and loader position agree, and the resumed run ends where an uninterrupted one does."""
+    train, test = digits_packs
+    kw = dict(config=TrainConfig(epochs=2, optimizer="adamw"), speed=Speed(batch_size=64), device="cpu",
+              progress=False, log=lambda *a: None)
+    fit(Signals(), train, test, run_dir=tmp_path / "whole", **kw)
+    with pytest.raises(KeyboardInterrupt):
+        fit(Signals(at, sig, when), train, test, run_dir=tmp_path / "cut", **kw)
+    ck = torch.load(tmp_path / "cut" / "last.pt", map_location="cpu", weights_only=True)
+    steps = 22  # 1,438 images in batches of 64
+    assert ck["loader"]["position"] == ck["state"]["position"] == ((at - 1) % steps + 1 if when == "train" else steps)
+    assert ck["state"]["step"] == (at if when == "train" else steps)
+    notes = []
+    fit(Signals(), train, test, run_dir=tmp_path / "cut", resume=True, **{**kw, "log": notes.append})
+    a, b = _weights(tmp_path / "whole" / "last.pt"), _weights(tmp_path / "cut" / "last.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not any("random streams" in n for n in notes)  # same device: nothing to warn about
+
+
+def test_resume_on_another_device_kind_works_and_says_the_stream_differs(digits_packs, tmp_path):
+    """A run saved on a GPU in fp16 (checkpoint and config as CUDA writes them), resumed on this CPU."""
+    train, test = digits_packs
+    run = tmp_path / "run"
+    kw = dict(speed=Speed(batch_size=64), device="cpu", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        fit(Signals(5), train, test, config=TrainConfig(epochs=2), run_dir=run, log=lambda *a: None, **kw)
+    ck = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
+    ck["rng"] = {"cpu": ck["rng"]["cpu"], "device": "cuda", "cuda": torch.zeros(16, dtype=torch.uint8)}
+    ck["scaler"] = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                    "_growth_tracker": 3}
+    trainfast.train.checkpoint.save(run / "last.pt", ck)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["speed"]["precision"] = "fp16"
+    (run / "config.json").write_text(json.dumps(cfg))
+    notes = []
+    r = fit(Signals(), train, test, run_dir=run, resume=True, log=notes.append, **kw)
+    assert len(r.history) == 2 and r.speed.precision in ("bf16", "fp32")
+    assert any(n.startswith("fp16 cannot run on cpu: resuming in") for n in notes)
+    assert any("saved on cuda and resumes on cpu" in n for n in notes)

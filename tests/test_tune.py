@@ -58,11 +58,12 @@ def test_pinned_batch_is_kept(monkeypatch):
     assert r.best.batch_size == 32
 
 
-def test_real_measurement_and_cli(capsys):
-    assert main(["tune", "--model", "cifar_cnn", "--batch-size", "16", "--no-compile", "--retune"]) == 0
+def test_real_measurement_and_cli(capsys, device):
+    assert main(["tune", "--model", "cifar_cnn", "--batch-size", "16", "--no-compile", "--retune",
+                 "--device", device]) == 0
     out = capsys.readouterr().out
     assert "chosen:" in out and "fp32 + batch 16" in out
-    t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), tune_mod.Speed(batch_size=8), torch.device("cpu"))
+    t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), tune_mod.Speed(batch_size=8), torch.device(device))
     assert t.images_per_s > 0 and t.loss > 0
 
 

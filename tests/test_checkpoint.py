@@ -1,0 +1,41 @@
+"""Checkpoints: the random streams, saved and restored per device; loading on the CPU."""
+
+import torch
+
+from trainfast.train import checkpoint
+
+
+def test_cpu_stream_is_restored_exactly():
+    torch.manual_seed(3)
+    saved = checkpoint.rng_state(torch.device("cpu"))
+    a = torch.rand(5)
+    torch.manual_seed(99)
+    assert checkpoint.set_rng_state(saved, torch.device("cpu")) is None
+    assert torch.equal(torch.rand(5), a)
+
+
+def test_old_checkpoints_with_a_bare_cpu_state_still_resume():
+    torch.manual_seed(4)
+    bare = torch.get_rng_state()
+    a = torch.rand(3)
+    assert checkpoint.set_rng_state(bare, torch.device("cpu")) is None
+    assert torch.equal(torch.rand(3), a)
+
+
+def test_a_run_saved_on_cuda_resumes_on_cpu_and_says_the_stream_differs():
+    """What a CUDA machine saves (a CPU tensor for each stream), read back on a CPU-only one."""
+    torch.manual_seed(5)
+    saved = {"cpu": torch.get_rng_state(), "device": "cuda", "cuda": torch.zeros(16, dtype=torch.uint8)}
+    a = torch.rand(3)
+    note = checkpoint.set_rng_state(saved, torch.device("cpu"))
+    assert "saved on cuda and resumes on cpu" in note and "dropout" in note
+    assert torch.equal(torch.rand(3), a)  # the CPU stream is still restored
+
+
+def test_checkpoint_tensors_load_on_the_cpu(tmp_path):
+    net = torch.nn.Linear(2, 2)
+    checkpoint.save(tmp_path / "c.pt", {"model_name": "lin", "signature": checkpoint.signature(net),
+                                        "model": net.state_dict(), "rng": checkpoint.rng_state(torch.device("cpu"))})
+    ck = checkpoint.load(tmp_path / "c.pt", "lin", net)
+    assert all(t.device.type == "cpu" for t in ck["model"].values())
+    assert not list(tmp_path.glob(".*tmp"))  # written atomically: no temporary left

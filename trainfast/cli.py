@@ -352,7 +352,8 @@ def _cmd_train(a) -> ExitStatus:
                                     ("threads", a.threads or None), ("rewrites", a.rewrites)) if v is not None}
         result = fit(a.model, a.pack, a.val, config=cfg, pin=pinned, tune=not a.no_tune, augment=aug,
                      device=a.device, run_dir=a.run_dir, progress=not a.quiet, log=log)
-    log(f"best validation accuracy {result.best:.2%} ({result.stopped}); outputs in {result.run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
+        log(f"best validation accuracy {result.best:.2%} ({result.stopped}); outputs in {result.run_dir}")
     return ExitStatus.OK
 
 

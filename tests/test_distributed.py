@@ -54,14 +54,27 @@ def test_more_processes_than_gpus_is_refused_before_any_process_group(monkeypatc
         distributed.setup(torch.device("cuda"))
 
 
-def test_under_torchrun_rank_0_says_the_error_and_every_rank_leaves_it_for_torchrun(monkeypatch, tmp_path, capsys):
-    errors = []
+@pytest.mark.parametrize("first", [0, 1])
+def test_under_torchrun_the_first_to_fail_says_it_and_every_rank_leaves_it_for_torchrun(monkeypatch, tmp_path, capsys,
+                                                                                          first):
+    """torchrun kills the other processes when one fails: whichever fails first must say why."""
+    errors = {}
+    for rank in (first, 1 - first):
+        _torchrun_env(monkeypatch, rank, 2)
+        # torchrun's layout: <log_dir>/attempt_0/<local_rank>/error.json
+        (tmp_path / "attempt_0" / str(rank)).mkdir(parents=True)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "attempt_0" / str(rank) / "error.json"))
+        assert main(["train", str(tmp_path / "missing.pack"), "--model", "cifar_cnn", "--device", "cpu"]) == 1
+        errors[rank] = capsys.readouterr().err
+    assert errors[first].count("\n") == 1 and "missing.pack" in errors[first] and errors[1 - first] == ""
+    for rank in (0, 1):  # torchrun's failure summary shows this message instead of a link to its docs
+        left = json.loads((tmp_path / "attempt_0" / str(rank) / "error.json").read_text())
+        assert left["message"] == errors[first].strip() and int(left["timestamp"]) > 0
+
+
+def test_without_torchrun_error_files_rank_0_says_it(monkeypatch, tmp_path, capsys):
     for rank in (0, 1):
         _torchrun_env(monkeypatch, rank, 2)
-        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error{rank}.json"))
+        monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
         assert main(["train", str(tmp_path / "missing.pack"), "--model", "cifar_cnn", "--device", "cpu"]) == 1
-        errors.append(capsys.readouterr().err)
-    assert errors[0].count("\n") == 1 and "missing.pack" in errors[0] and errors[1] == ""
-    for rank in (0, 1):  # torchrun's failure summary shows this message instead of a link to its docs
-        left = json.loads((tmp_path / f"error{rank}.json").read_text())
-        assert left["message"] == errors[0].strip() and int(left["timestamp"]) > 0
+        assert ("missing.pack" in capsys.readouterr().err) == (rank == 0)

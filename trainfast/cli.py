@@ -381,12 +381,14 @@ def _cmd_make_plates(a) -> ExitStatus:
 
 
 def _say_error(line: str) -> None:
-    """One line on stderr. Under torchrun every process meets the same error: rank 0 says it,
-    and each process leaves it in torchrun's error file, so that torchrun's failure summary
-    shows the reason instead of a pointer to its docs."""
-    if os.environ.get("RANK", "0") == "0":
+    """One line on stderr. Under torchrun every process meets the same error, and torchrun
+    kills the others when the first one exits: so the first to fail on this machine says it
+    (rank 0 where torchrun gives no error file), and each process leaves it in its error file,
+    so that torchrun's failure summary shows the reason instead of a pointer to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if _first_to_fail(path):
         print(line, file=sys.stderr)
-    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    if path:
         import json
         import time
         try:
@@ -394,6 +396,22 @@ def _say_error(line: str) -> None:
                 json.dump({"message": line, "timestamp": str(int(time.time()))}, f)
         except OSError:
             pass
+
+
+def _first_to_fail(error_file: str | None) -> bool:
+    """Not under torchrun: True. Under it: whether this process is the first of this machine's
+    to fail, by an exclusive marker in the folder of this attempt's error files
+    (<log_dir>/attempt_N/<local_rank>/error.json)."""
+    if not error_file:
+        return os.environ.get("RANK", "0") == "0"
+    from pathlib import Path
+    try:
+        os.close(os.open(Path(error_file).parent.parent / "trainfast-error-said", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return os.environ.get("RANK", "0") == "0"
 
 
 def main(argv: list[str] | None = None) -> int:

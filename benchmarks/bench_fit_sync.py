@@ -27,6 +27,7 @@ import trainfast
 from trainfast import hardware, models
 from trainfast import step as _step
 from trainfast.config import Speed, TrainConfig
+from trainfast.data.sources import from_arrays
 from trainfast.train import trainer
 
 
@@ -67,12 +68,19 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     a = ap.parse_args()
     dev = hardware.resolve_device(a.device)
-    c, h, w = models.create(a.model).input_shape
+    net = models.create(a.model)
+    (c, h, w), out = net.input_shape, net.output_shape
     speed = Speed("bf16" if _step.supports_bf16(dev) else "fp32", True, batch_size=a.batch_size)
     read_every = trainer.READ_EVERY.get(dev.type, trainer.READ_EVERY["cuda"])
     with tempfile.TemporaryDirectory() as tmp:
-        images = np.random.default_rng(0).integers(0, 256, (a.images, h, w, c), dtype=np.uint8)
-        pk = trainfast.pack((images, np.arange(a.images) % 10), Path(tmp) / "p", size=(h, w), progress=False)
+        rng = np.random.default_rng(0)
+        images = rng.integers(0, 256, (a.images, h, w, c), dtype=np.uint8)
+        if len(out) == 2:  # sequences, e.g. plates: (positions, alphabet)
+            alphabet = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"[:out[1]]
+            data = from_arrays(images, rng.integers(0, len(alphabet), (a.images, out[0])), alphabet=alphabet)
+        else:
+            data = (images, np.arange(a.images) % out[0])
+        pk = trainfast.pack(data, Path(tmp) / "p", size=(h, w), progress=False)
         rows = [("plain loop, nothing read back", plain_loop(a.model, pk, speed, dev, a.epochs))]
         for every in (1, max(read_every, 2)):
             rows.append((f"fit, loss read every {every} step{'s' if every > 1 else ''}",

@@ -234,6 +234,27 @@ def _epoch_line(row: dict, sequence: bool) -> str:
             f"{row['seconds']:.1f} s")
 
 
+def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say) -> tuple[Speed, list[dict]]:
+    """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user pinned."""
+    from trainfast.tune import tune as _tune
+
+    h, w, c = pk.shape
+    result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"),
+                   try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, log=progress_log)
+    say(result.table())
+    return replace(result.best, **pin), [r.to_dict() for r in result.rows]
+
+
+def _held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):
+    """(validation pack, training indices, validation indices): without a validation pack,
+    cfg.val_fraction of the training pack, by a seeded permutation, the same on every rank."""
+    if val_pk is not None or cfg.val_fraction <= 0:
+        return val_pk, None, None
+    order = np.random.default_rng([cfg.seed, 7919]).permutation(len(train_pk))
+    n_val = max(1, int(len(train_pk) * cfg.val_fraction))
+    return train_pk, np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
 def _runnable(speed: Speed, dev: torch.device, say) -> Speed:
     """A resumed run's settings on `dev`: a precision this device cannot run (fp16 saved on a
     GPU, resumed on a CPU) becomes the next one it can, and says so."""
@@ -324,16 +345,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     pin = dict(pin or {})
     user_batch = pin.get("batch_size") or (speed.batch_size if speed else Speed().batch_size)
     if speed is None:
-        if tune:
-            from trainfast.tune import tune as _tune
-            h, w, c = train_pk.shape
-            result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"),
-                           try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin,
-                           log=say if progress else (lambda m: None))
-            speed, tune_table = replace(result.best, **pin), [r.to_dict() for r in result.rows]
-            say(result.table())
-        else:
-            speed = Speed(**pin)
+        speed, tune_table = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say) if tune \
+            else (Speed(**pin), [])
     reason = _step.check(speed, dev)
     if reason:
         raise TrainfastError(reason)
@@ -341,14 +354,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
 
     torch.manual_seed(cfg.seed)
     net = _step.prepare(net, speed, dev)
-    # Held-out split: a seeded permutation of the pack, the same on every rank.
-    if val_pk is None and cfg.val_fraction > 0:
-        order = np.random.default_rng([cfg.seed, 7919]).permutation(len(train_pk))
-        n_val = max(1, int(len(train_pk) * cfg.val_fraction))
-        train_idx, val_idx = np.sort(order[n_val:]), np.sort(order[:n_val])
-        val_pk = train_pk
-    else:
-        train_idx, val_idx = None, None
+    val_pk, train_idx, val_idx = _held_out(train_pk, val_pk, cfg)
     loader = Loader(train_pk, speed.batch_size, shuffle=True, seed=cfg.seed, device=dev, augment=augment,
                     rank=world.rank, world_size=world.size, subset=train_idx)
     val_loader = None if val_pk is None else Loader(val_pk, speed.batch_size, shuffle=False, drop_last=False,

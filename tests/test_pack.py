@@ -74,15 +74,50 @@ def test_fail_mode_writes_nothing_and_keeps_old_pack(image_folder, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_out_that_is_not_a_pack_is_refused(image_folder, tmp_path):
+def test_out_that_is_not_a_pack_is_refused_even_with_overwrite(image_folder, tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    with pytest.raises(TrainfastError, match="not a pack"):
-        trainfast.pack(image_folder, out, size=(8, 8), progress=False)
-    assert (out / "precious.txt").read_text() == "keep me"
-    trainfast.pack(image_folder, out, size=(8, 8), overwrite=True, progress=False)
-    assert Pack(out) and not (out / "precious.txt").exists()
+    for overwrite in (False, True):
+        with pytest.raises(TrainfastError, match="not a trainfast pack; trainfast replaces only packs it made"):
+            trainfast.pack(image_folder, out, size=(8, 8), overwrite=overwrite, progress=False)
+        assert (out / "precious.txt").read_text() == "keep me"
+    (tmp_path / "notes.json").mkdir()
+    (tmp_path / "notes.json" / "meta.json").write_text('{"mine": 1}')  # a meta.json of someone else's
+    with pytest.raises(TrainfastError, match="not a trainfast pack"):
+        trainfast.pack(image_folder, tmp_path / "notes.json", size=(8, 8), overwrite=True, progress=False)
+    assert (tmp_path / "notes.json" / "meta.json").read_text() == '{"mine": 1}'
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.read_bytes() if p.is_file() else b"") for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["source", "parent", "cwd", "inside"])
+def test_overwrite_never_touches_the_source_or_what_holds_it(image_folder, tmp_path, monkeypatch, capsys, where):
+    """`trainfast pack photos photos --overwrite` and its cousins: refused in one line, nothing lost or left."""
+    from trainfast.cli import main
+
+    (tmp_path / "unrelated.txt").write_text("beside the source")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere" if where == "parent" else tmp_path)
+    source = str(image_folder) if where == "parent" else "photos"
+    out = {"source": "photos", "parent": str(tmp_path), "cwd": ".", "inside": "photos/photos.pack"}[where]
+    before = _tree(tmp_path)
+    assert main(["pack", source, out, "--size", "8x8", "--overwrite", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert {"source": "holds the source", "parent": "holds the source", "cwd": "working directory",
+            "inside": "inside the source folder"}[where] in err
+    assert _tree(tmp_path) == before  # nothing deleted, nothing written, no build folder left
+
+
+def test_out_that_holds_a_csv_s_images_is_refused(tmp_path, image_folder):
+    rows = ["path,label"] + [f"{p},{p.parent.name}" for p in sorted(image_folder.rglob("*.jpg"))]
+    (tmp_path / "list.csv").write_text("\n".join(rows))
+    with pytest.raises(TrainfastError, match="an input of this pack"):
+        trainfast.pack(tmp_path / "list.csv", image_folder / "cat", size=(8, 8), overwrite=True, progress=False)
+    assert len(list((image_folder / "cat").iterdir())) == 12
 
 
 def test_different_pack_needs_overwrite_same_is_up_to_date(image_folder, tmp_path):

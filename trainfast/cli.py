@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="skip bad inputs and list them, or stop and write nothing (default: skip)")
     pk.add_argument("--limit", type=int, default=0, metavar="N", help="pack only N inputs (a seeded random subset)")
     pk.add_argument("--seed", type=int, default=0, help="seed of the stored order (default: 0)")
-    pk.add_argument("--overwrite", action="store_true", help="replace what is at OUT")
+    pk.add_argument("--overwrite", action="store_true",
+                    help="replace a trainfast pack already at OUT (never anything else, nor a folder holding the source)")
     pk.add_argument("--path-column", default="path", help="CSV column of image paths (default: path)")
     pk.add_argument("--label-column", default="label", help="CSV column of labels (default: label)")
     pk.add_argument("--labels", choices=("auto", "class", "sequence"), default="auto", dest="label_kind",

@@ -73,19 +73,18 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
         order = order[: cfg.limit]
     identity = {"fingerprint": src.fingerprint(), "options": _options_record(cfg), "count_in": len(order)}
 
+    _check_out(out, src)
     if out.exists() or out.is_symlink():
-        if is_pack(out) and not overwrite:
-            try:
-                meta = read_meta(out)
-            except TrainfastError:
-                meta = {}
-            if meta.get("build") == identity:
-                log(f"{out}: up to date ({meta['count']} images); nothing to do")
-                _remove(_build_dir(out))
-                return Pack(out)
-            raise TrainfastError(f"{out}: a different pack is already there; pass --overwrite to replace it")
+        meta = _pack_meta(out)
+        if meta is None:
+            raise TrainfastError(f"{out}: exists and is not a trainfast pack; trainfast replaces only packs it made "
+                                 "(remove it yourself, or choose another OUT)")
+        if meta.get("build") == identity and not overwrite:
+            log(f"{out}: up to date ({meta['count']} images); nothing to do")
+            _remove(_build_dir(out))
+            return Pack(out)
         if not overwrite:
-            raise TrainfastError(f"{out}: exists and is not a pack; refusing to touch it (pass --overwrite to replace it)")
+            raise TrainfastError(f"{out}: a different pack is already there; pass --overwrite to replace it")
 
     build = _build_dir(out)
     _prepare_build_dir(build, identity, log)
@@ -103,6 +102,36 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
     pk = Pack(out)
     _summarise(pk, src, time.perf_counter() - started, log)
     return pk
+
+
+def _check_out(out: Path, src: Source) -> None:
+    """OUT must not be where the user's data is: not the working directory, not the source or
+    a folder above it or above any of its files, and not inside a source folder (whose next
+    pack would read the pack as one more class)."""
+    here = out.resolve()
+    if here == Path.cwd().resolve():
+        raise TrainfastError(f"{out}: is the working directory; the pack needs a folder of its own, e.g. data.pack")
+    from_disk = src.kind != "arrays" or Path(src.origin).is_file()  # a .npz is "arrays" from a file
+    origin = Path(src.origin).resolve() if from_disk else None
+    if origin is not None and (here == origin or here in origin.parents):
+        raise TrainfastError(f"{out}: holds the source {src.origin}; choose an OUT outside it, e.g. beside it")
+    if src.kind == "folder" and origin in here.parents:
+        raise TrainfastError(f"{out}: is inside the source folder {src.origin}, where the next pack of that "
+                             "folder would read it as a class; put OUT beside the folder")
+    inside = str(here) + os.sep
+    for f in src.files or ():
+        if os.path.abspath(f).startswith(inside):
+            raise TrainfastError(f"{out}: holds {f}, an input of this pack; choose an OUT that holds no inputs")
+
+
+def _pack_meta(out: Path) -> dict | None:
+    """The metadata of the trainfast pack at `out`, or None if what is there is anything else."""
+    if not is_pack(out):
+        return None
+    try:
+        return read_meta(out)
+    except TrainfastError:
+        return None
 
 
 def _checked(cfg: PackConfig) -> PackConfig:

@@ -5,12 +5,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 import trainfast
-from conftest import Signals
+from conftest import SMALL_NET as SMALL_NET_SOURCE, Signals
 from trainfast.cli import main
 from trainfast.config import Speed, TrainConfig
 from trainfast.errors import TrainfastError
@@ -66,7 +67,7 @@ def test_kill_and_resume_matches_uninterrupted(digits_packs, small_net_file, tmp
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert _checkpoint_step(run / "last.pt") < 3 * 40  # 40 steps an epoch: the kill landed before the end
-    assert main(["train", "--resume", str(run), "-q", "--device", device]) == 0
+    assert main(["train", "--resume", str(run), "--model", spec, "-q", "--device", device]) == 0
     a, b = _weights(tmp_path / "whole" / "last.pt"), _weights(run / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows_a = (tmp_path / "whole" / "metrics.csv").read_text()
@@ -220,3 +221,70 @@ def test_resume_on_another_device_kind_works_and_says_the_stream_differs(digits_
     assert len(r.history) == 2 and r.speed.precision in ("bf16", "fp32")
     assert any(n.startswith("fp16 cannot run on cpu: resuming in") for n in notes)
     assert any("saved on cuda and resumes on cpu" in n for n in notes)
+
+
+def _run_small(digits_packs, small_net_file, run, cwd_relative_pack=None):
+    train, _ = digits_packs
+    pack = cwd_relative_pack or str(train.path)
+    assert main(["train", pack, "--model", f"{small_net_file}:small", "--epochs", "1", "--no-tune", "--batch-size",
+                 "64", "--device", "cpu", "--run-dir", str(run), "-q"]) == 0
+
+
+def test_resume_runs_no_code_that_the_run_directory_names(digits_packs, tmp_path, capsys):
+    """A run directory someone hands you is data: its config.json must not make trainfast import a .py."""
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.py"
+    evil.write_text(f"open({str(marker)!r}, 'w').write('x')\n" + SMALL_NET_SOURCE)
+    run = tmp_path / "run"
+    _run_small(digits_packs, evil.with_suffix(".py"), run)  # the user's own run, on purpose
+    marker.unlink()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--device", "cpu", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "runs no code that a run directory names" in err and f"--model {evil}:small" in err
+    assert not marker.exists()
+    assert main(["train", "--resume", str(run), "--model", f"{evil}:small", "--device", "cpu", "-q"]) == 0
+    assert marker.exists()  # named on the command line: run on purpose
+
+
+def test_resume_refuses_options_it_would_ignore(digits_packs, small_net_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    _run_small(digits_packs, small_net_file, run)
+    capsys.readouterr()
+    train, _ = digits_packs
+    assert main(["train", str(train.path), "--resume", str(run), "--epochs", "5", "--lr", "0.1",
+                 "--model", f"{small_net_file}:small", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "PACK, --epochs, --lr would change it" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("text,says", [("{not json", "unreadable"), ('{"model": "cifar_cnn"}', "no 'train'"),
+                                       ('{"model": 3, "train": {}}', "'model' is int"), ("[]", "not a JSON object")])
+def test_a_damaged_config_json_is_one_line(digits_packs, small_net_file, tmp_path, capsys, text, says):
+    run = tmp_path / "run"
+    _run_small(digits_packs, small_net_file, run)
+    capsys.readouterr()
+    (run / "config.json").write_text(text)
+    assert main(["train", "--resume", str(run), "--model", f"{small_net_file}:small", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.json" in err and says in err and "Traceback" not in err
+
+
+def test_resume_finds_its_pack_from_anywhere_and_refuses_another(digits_packs, small_net_file, tmp_path, monkeypatch,
+                                                                 capsys):
+    train, test = digits_packs
+    monkeypatch.chdir(train.path.parent)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):  # a relative PACK, a run cut short
+        fit(Signals(5), train.path.name, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), device="cpu",
+            run_dir=run, progress=False, log=lambda *a: None)
+    monkeypatch.chdir(tmp_path)  # elsewhere, where "train" is another pack
+    trainfast.pack((np.zeros((80, 32, 32, 3), np.uint8), np.arange(80) % 10), tmp_path / train.path.name,
+                   size=(32, 32), progress=False)
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["train_pack"]["path"] == str(train.path.resolve())
+    r = fit(Signals(), cfg["train_pack"]["path"], device="cpu", run_dir=run, resume=True, progress=False,
+            log=lambda *a: None)
+    assert len(r.history) == 1
+    with pytest.raises(TrainfastError, match="not the training pack this run trained on"):
+        fit(Signals(), train.path.name, device="cpu", run_dir=run, resume=True, progress=False, log=lambda *a: None)

@@ -331,13 +331,9 @@ def _cmd_train(a) -> ExitStatus:
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     if a.resume:
-        import json
-        from pathlib import Path
-        saved = json.loads((Path(a.resume) / "config.json").read_text()) if (Path(a.resume) / "config.json").is_file() \
-            else None
-        if saved is None:
-            raise TrainfastError(f"{a.resume}: not a run directory to resume (no config.json)")
-        result = fit(saved["model"], saved["train_pack"], saved["val_pack"], device=a.device, run_dir=a.resume,
+        saved = _resumable(a)
+        packs = [p["path"] if isinstance(p, dict) else p for p in (saved["train_pack"], saved.get("val_pack"))]
+        result = fit(a.model or saved["model"], packs[0], packs[1], device=a.device, run_dir=a.resume,
                      resume=True, progress=not a.quiet, log=log)
     else:
         if not a.pack or not a.model:
@@ -356,6 +352,34 @@ def _cmd_train(a) -> ExitStatus:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
         log(f"best validation accuracy {result.best:.2%} ({result.stopped}); outputs in {result.run_dir}")
     return ExitStatus.OK
+
+
+_RESUME_TAKES = {"command", "resume", "model", "device", "quiet"}
+
+
+def _resumable(a) -> dict:
+    """The run's config.json, after two checks. Options that would change the run are refused
+    (it continues as configured). And a model from a file runs only when the user names it
+    on this command line: a run directory is data, and data must not run code."""
+    from trainfast import models
+    from trainfast.train.trainer import read_run_config
+
+    defaults = vars(_parser().parse_args(["train"]))
+    changed = [("PACK" if k == "pack" else "--" + k.replace("_", "-")) for k, v in vars(a).items()
+               if k not in _RESUME_TAKES and v != defaults.get(k)]
+    if changed:
+        raise TrainfastError(f"--resume continues the run as its config.json says; {', '.join(changed)} would change "
+                             f"it (start a new run for that)")
+    saved = read_run_config(a.resume)
+    spec = saved["model"]
+    if spec in models.list():
+        if a.model and a.model != spec:
+            raise TrainfastError(f"--model {a.model}: the run in {a.resume} trained {spec}")
+    elif not a.model:
+        raise TrainfastError(f"{a.resume}/config.json names the model {spec!r}, code in a file, and trainfast runs no "
+                             f"code that a run directory names. If you trust that file, name it yourself: "
+                             f"trainfast train --resume {a.resume} --model {spec}")
+    return saved
 
 
 def _cmd_demo(a) -> ExitStatus:

@@ -8,6 +8,7 @@ and a shard of the Loader, and only rank 0 prints, logs and writes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -145,6 +146,51 @@ def _check_config(cfg: TrainConfig) -> None:
         raise TrainfastError(f"epochs must be ≥ 1, not {cfg.epochs}")
     if not 0 <= cfg.val_fraction < 1:
         raise TrainfastError(f"val_fraction must be in [0, 1), not {cfg.val_fraction}")
+
+
+def pack_record(pk: Pack) -> dict:
+    """How a run directory names a pack: its absolute path, and an identity from its metadata
+    (size, shape, per-channel statistics, what it was built from), so that another pack at that
+    path, or a relative path read from another working directory, is noticed."""
+    m = pk.meta
+    ident = json.dumps([m.get("count"), m.get("shape"), m.get("encoding"), m.get("mean"), m.get("std"), m.get("build")],
+                       sort_keys=True)
+    return {"path": str(pk.path.resolve()), "count": len(pk), "id": hashlib.sha1(ident.encode()).hexdigest()[:16]}
+
+
+def read_run_config(run_dir) -> dict:
+    """A run directory's config.json, checked against what resuming reads from it: one line
+    naming the file and what is wrong, never a traceback. Nothing in it runs: the model is a
+    name, and a model from a file is the caller's to name again."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise TrainfastError(f"{run_dir}: not a run directory to resume (no config.json)")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TrainfastError(f"{path}: unreadable ({e})") from None
+    try:
+        if not isinstance(saved, dict):
+            raise TypeError("not a JSON object")
+        for key, kind in (("model", str), ("train", dict), ("speed", dict), ("augment", dict),
+                          ("train_pack", (str, dict)), ("user_batch_size", int)):
+            if not isinstance(saved[key], kind):
+                raise TypeError(f"{key!r} is {type(saved[key]).__name__}")
+        _check_config(TrainConfig(**saved["train"]))
+        Speed(**saved["speed"])
+        Augment(**saved["augment"])
+    except KeyError as e:
+        raise TrainfastError(f"{path}: no {e.args[0]!r} (not written by trainfast, or damaged)") from None
+    except (TypeError, ValueError, TrainfastError) as e:
+        raise TrainfastError(f"{path}: not a run configuration trainfast can resume ({e})") from None
+    return saved
+
+
+def _same_pack(pk: Pack, recorded, what: str) -> None:
+    """Refuse to resume on a pack other than the one the run recorded."""
+    if isinstance(recorded, dict) and recorded.get("id") != pack_record(pk)["id"]:
+        raise TrainfastError(f"{pk.path}: not the {what} pack this run trained on (it recorded {recorded['path']}, "
+                             f"{recorded['count']} images); resume with that pack")
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
@@ -310,8 +356,9 @@ def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Spe
     cfg = config or TrainConfig()
     _check_config(cfg)
     if resume:
-        cfg = TrainConfig(**json.loads((Path(run_dir) / "config.json").read_text())["train"]) \
-            if run_dir and (Path(run_dir) / "config.json").is_file() else cfg
+        if not run_dir:
+            raise TrainfastError("resume=True needs the run_dir to resume")
+        cfg = TrainConfig(**read_run_config(run_dir)["train"])
     with _determinism(cfg.deterministic):
         return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, resume, tune, progress, log)
 
@@ -338,7 +385,10 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
 
     tune_table = []
     if resume:
-        saved = json.loads((run_dir / "config.json").read_text())
+        saved = read_run_config(run_dir)
+        _same_pack(train_pk, saved["train_pack"], "training")
+        if val_pk is not None:
+            _same_pack(val_pk, saved.get("val_pack"), "validation")
         speed = _runnable(Speed(**saved["speed"]), dev, say)
         augment = Augment(**saved["augment"])
         pin = {"batch_size": saved["user_batch_size"]}
@@ -390,7 +440,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         if not resume:
             (run_dir / "config.json").write_text(json.dumps(
                 {"model": name, "train": cfg.to_dict(), "speed": speed.to_dict(), "augment": asdict(augment),
-                 "train_pack": str(train_pk.path), "val_pack": None if val is None else str(val_pk.path),
+                 "train_pack": pack_record(train_pk), "val_pack": None if val is None else pack_record(val_pk),
                  "world_size": world.size, "lr": lr, "user_batch_size": user_batch, "device": str(dev)},
                 indent=1))
             (run_dir / "speed.json").write_text(json.dumps(

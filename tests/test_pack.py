@@ -214,3 +214,34 @@ def test_bad_options(image_folder, tmp_path):
         kw.setdefault("size", (8, 8))
         with pytest.raises(TrainfastError, match=msg):
             trainfast.pack(image_folder, tmp_path / "p", progress=False, **kw)
+
+
+def test_a_worker_holds_its_chunk_once_not_a_float_copy(tmp_path):
+    """Running sums for the mean and std: the chunk's decoded bytes are the largest thing a
+    worker holds (a float64 copy of them was 8× that: 15.7 GB at 1024×1024)."""
+    import tracemalloc
+
+    from trainfast.config import PackConfig
+    from trainfast.data import pack as pack_mod
+
+    images = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)
+    src = trainfast.data.sources.from_arrays(images, np.arange(8) % 2)
+    cfg = pack_mod._checked(PackConfig(size=(256, 256), encoding="raw"))
+    task = pack_mod._task(src, 0, np.arange(8), cfg, tmp_path)
+    tracemalloc.start()
+    result = pack_mod._build_chunk(task)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 3 * images.nbytes, f"peak {peak / 1e6:.1f} MB for a {images.nbytes / 1e6:.1f} MB chunk"
+    pix = images.reshape(-1, 3).astype(np.float64)
+    assert result["sum"] == pix.sum(0).tolist() and result["sumsq"] == np.square(pix).sum(0).tolist()
+
+
+def test_chunks_of_large_images_are_bounded_in_bytes():
+    from trainfast.config import PackConfig
+    from trainfast.data.pack import CHUNK_BYTES, chunk_images
+
+    assert chunk_images(PackConfig(size=(64, 128))) == 512  # small images: the configured chunk
+    for side in (512, 1024, 4096):
+        n = chunk_images(PackConfig(size=(side, side)))
+        assert 1 <= n and n * side * side * 3 <= max(CHUNK_BYTES, side * side * 3)

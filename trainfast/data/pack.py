@@ -87,9 +87,10 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
             raise TrainfastError(f"{out}: a different pack is already there; pass --overwrite to replace it")
 
     build = _build_dir(out)
-    _prepare_build_dir(build, identity, log)
+    per_chunk = chunk_images(cfg)
+    _prepare_build_dir(build, {**identity, "chunk": per_chunk}, log)  # other chunking: other chunk files
     started = time.perf_counter()
-    chunks = [order[i: i + cfg.chunk] for i in range(0, len(order), cfg.chunk)]
+    chunks = [order[i: i + per_chunk] for i in range(0, len(order), per_chunk)]
     try:
         _run_chunks(src, chunks, cfg, build, progress)
         pack_dir = _assemble(src, chunks, cfg, build, identity)
@@ -157,6 +158,16 @@ def _checked(cfg: PackConfig) -> PackConfig:
     if cfg.workers < 0 or cfg.limit < 0 or cfg.chunk < 1:
         raise TrainfastError("workers and limit must be ≥ 0, chunk ≥ 1")
     return replace(cfg, size=(h, w), encoding=encoding, workers=cfg.workers or usable_cores())
+
+
+CHUNK_BYTES = 64 << 20  # a worker holds at most this much of decoded images at once
+
+
+def chunk_images(cfg: PackConfig) -> int:
+    """Inputs per chunk: cfg.chunk, fewer for large images, so that a worker's decoded chunk
+    stays within CHUNK_BYTES (512 images of 1024×1024 would be 1.6 GB per worker)."""
+    h, w = cfg.size
+    return max(1, min(cfg.chunk, CHUNK_BYTES // (h * w * cfg.channels)))
 
 
 def _options_record(cfg: PackConfig) -> dict:
@@ -296,7 +307,9 @@ def _build_chunk(task: dict) -> dict:
     h, w = cfg.size
     c = cfg.channels
     n = len(task["positions"])
-    images = np.empty((n, h, w, c), np.uint8)
+    images = np.empty((n, h, w, c), np.uint8) if cfg.encoding == "raw" else None  # jpeg keeps only bytes
+    hist = np.zeros(256 * c, np.int64)  # per channel, how many pixels have each value: exact sums, no float copy
+    channel = np.arange(c, dtype=np.uint16) * 256
     ok, errors, blobs = [], [], []
     for j in range(n):
         try:
@@ -309,19 +322,21 @@ def _build_chunk(task: dict) -> dict:
             if cfg.on_error == "fail":
                 break
             continue
-        images[len(ok)] = img
-        ok.append(int(task["positions"][j]))
-        if cfg.encoding == "jpeg":
+        hist += np.bincount((img.reshape(-1, c) + channel).ravel(), minlength=256 * c)
+        if images is not None:
+            images[len(ok)] = img
+        else:
             blobs.append(_decode.encode_jpeg(img, cfg.quality))
-    images = images[: len(ok)]
-    pix = images.reshape(-1, c).astype(np.float64)
+        ok.append(int(task["positions"][j]))
+    hist = hist.reshape(c, 256)
+    values = np.arange(256, dtype=np.int64)
     result = {"n": n, "ok": ok, "errors": errors,
-              "sum": pix.sum(0).tolist(), "sumsq": np.square(pix).sum(0).tolist()}
+              "sum": (hist @ values).tolist(), "sumsq": (hist @ values ** 2).tolist()}
     if errors and cfg.on_error == "fail":
         return result  # nothing is written: the build stops
     base = Path(task["dir"]) / f"{task['index']:06d}"
     if cfg.encoding == "raw":
-        _save_npy_atomic(base.with_suffix(".images.npy"), images)
+        _save_npy_atomic(base.with_suffix(".images.npy"), images[: len(ok)])
     else:
         _save_npy_atomic(base.with_suffix(".jpeg.npy"), np.frombuffer(b"".join(blobs), np.uint8))
         result["lengths"] = [len(b) for b in blobs]

@@ -279,7 +279,7 @@ def test_resume_finds_its_pack_from_anywhere_and_refuses_another(digits_packs, s
         fit(Signals(5), train.path.name, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), device="cpu",
             run_dir=run, progress=False, log=lambda *a: None)
     monkeypatch.chdir(tmp_path)  # elsewhere, where "train" is another pack
-    trainfast.pack((np.zeros((80, 32, 32, 3), np.uint8), np.arange(80) % 10), tmp_path / train.path.name,
+    trainfast.pack((np.full((80, 32, 32, 3), 7, np.uint8), np.arange(80) % 10), tmp_path / train.path.name,
                    size=(32, 32), progress=False)
     cfg = json.loads((run / "config.json").read_text())
     assert cfg["train_pack"]["path"] == str(train.path.resolve())

@@ -46,6 +46,58 @@ def read_meta(path) -> dict:
     return meta
 
 
+def _damaged(path: Path, what: str) -> TrainfastError:
+    return TrainfastError(f"{path}: damaged pack ({what})")
+
+
+def _check_meta(path: Path, m: dict) -> None:
+    """meta.json has what a reader needs, with sane values; checked before any array is opened."""
+    missing = [k for k in ("count", "shape", "encoding", "mean", "std") if k not in m]
+    if missing:
+        raise _damaged(path, f"{META} has no {', '.join(missing)}")
+    shape = m["shape"]
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)):
+        raise _damaged(path, f"{META} shape {shape!r} is not [height, width, channels]")
+    if not isinstance(m["count"], int) or m["count"] < 0:
+        raise _damaged(path, f"{META} count {m['count']!r} is not a number of images")
+    if m["encoding"] not in ENCODINGS:
+        raise _damaged(path, f"{META} encoding {m['encoding']!r} is not raw or jpeg")
+    for key in ("mean", "std"):
+        v = m[key]
+        if not (isinstance(v, list) and len(v) == shape[2] and all(isinstance(x, (int, float)) and np.isfinite(x)
+                                                                  for x in v)):
+            raise _damaged(path, f"{META} {key} {v!r} is not {shape[2]} finite numbers")
+    if min(m["std"]) <= 0:
+        raise _damaged(path, f"{META} std {m['std']!r} has a value ≤ 0 (normalising would divide by it)")
+    classes, alphabet = m.get("classes"), m.get("alphabet")
+    if not ((isinstance(classes, list) and classes) or (isinstance(alphabet, str) and alphabet)):
+        raise _damaged(path, f"{META} has neither classes nor an alphabet")
+
+
+def _check_arrays(pk: "Pack") -> None:
+    """The arrays agree with the metadata: dtypes, shapes, label range, JPEG offsets."""
+    path, (h, w, c), n = pk.path, pk.shape, len(pk)
+    labels = pk.labels
+    if labels.dtype.kind not in "iu" or labels.ndim not in (1, 2):
+        raise _damaged(path, f"labels.npy is {labels.dtype} {labels.shape}, not integers (N,) or (N, L)")
+    limit = len(pk.alphabet) if labels.ndim == 2 else len(pk.classes or [])
+    if labels.ndim == 2 and not pk.alphabet:
+        raise _damaged(path, f"labels.npy holds sequences but {META} has no alphabet")
+    if n and (labels.min() < 0 or labels.max() >= limit):
+        raise _damaged(path, f"labels.npy holds labels from {labels.min()} to {labels.max()}; "
+                             f"{'the alphabet' if labels.ndim == 2 else 'the classes'} allow 0 to {limit - 1}")
+    if pk.encoding == "raw":
+        if pk.images.dtype != np.uint8 or pk.images.shape != (n, h, w, c):
+            raise _damaged(path, f"images.npy is {pk.images.dtype} {pk.images.shape}, not uint8 {(n, h, w, c)}")
+        return
+    off = pk.offsets
+    if pk.jpeg.dtype != np.uint8 or pk.jpeg.ndim != 1 or off.dtype.kind not in "iu" or off.ndim != 1:
+        raise _damaged(path, f"jpeg.npy / offsets.npy are {pk.jpeg.dtype} {pk.jpeg.shape} / {off.dtype} {off.shape}, "
+                             "not uint8 bytes and integer offsets")
+    if off[0] != 0 or off[-1] != len(pk.jpeg) or (n and np.any(np.diff(off) <= 0)):
+        raise _damaged(path, "offsets.npy is not increasing from 0 to the size of jpeg.npy")
+
+
 class Pack:
     """A pack opened for reading; arrays are memory-mapped, never loaded whole.
 
@@ -60,6 +112,7 @@ class Pack:
         self.path = Path(path)
         self.meta = read_meta(self.path)
         m = self.meta
+        _check_meta(self.path, m)
         self.shape: tuple[int, int, int] = tuple(m["shape"])  # (H, W, C)
         self.encoding: str = m["encoding"]
         self.classes: list[str] | None = m.get("classes")
@@ -80,6 +133,7 @@ class Pack:
             raise TrainfastError(f"{self.path}: damaged pack ({e})") from None
         if n != m["count"] or len(self.labels) != n:
             raise TrainfastError(f"{self.path}: damaged pack (meta says {m['count']} images, arrays hold {n})")
+        _check_arrays(self)
 
     def __len__(self) -> int:
         return self.meta["count"]

@@ -388,7 +388,7 @@ def _assemble(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Pat
     count = n * h * w
     mean = np.sum([r["sum"] for r in results], axis=0) / count
     var = np.sum([r["sumsq"] for r in results], axis=0) / count - mean ** 2
-    std = np.sqrt(np.maximum(var, 1e-12))
+    std = np.sqrt(np.maximum(var, 1.0))  # at least one grey level: a constant channel is not scaled to infinity
     meta = {
         "format": "trainfast-pack",
         "schema": SCHEMA_VERSION,

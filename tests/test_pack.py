@@ -245,3 +245,40 @@ def test_chunks_of_large_images_are_bounded_in_bytes():
     for side in (512, 1024, 4096):
         n = chunk_images(PackConfig(size=(side, side)))
         assert 1 <= n and n * side * side * 3 <= max(CHUNK_BYTES, side * side * 3)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process table with ps --ppid")
+def test_workers_end_when_the_packing_process_is_killed(tmp_path):
+    """SIGKILL of `trainfast pack` (what the OOM killer sends) leaves no worker behind."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (tmp_path / "src" / c).mkdir(parents=True)
+        for i in range(150):
+            Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(tmp_path / "src" / c / f"{i}.png")
+    proc = subprocess.Popen([sys.executable, "-m", "trainfast", "pack", str(tmp_path / "src"), str(tmp_path / "out"),
+                             "--size", "1024x1024", "--encoding", "jpeg", "--workers", "2", "-q"])
+
+    def children():
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    deadline = time.time() + 60
+    while len(children()) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    workers = children()
+    assert len(workers) == 2, "the workers never started"
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(os.path.exists(f"/proc/{w}") and "Z" not in _state(w) for w in workers):
+        time.sleep(0.1)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and "Z" not in _state(w)]
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"

@@ -9,10 +9,13 @@ is renamed to OUT in one step. A reader never sees a half-written pack.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -244,7 +247,8 @@ def _run_chunks(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: P
             for task in tasks:
                 _after_chunk(_build_chunk(task), cfg, bar)
             return
-        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=_mp_context()) as pool:
+        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=_mp_context(),
+                                 initializer=_worker_start, initargs=(os.getpid(),)) as pool:
             pending = set()
             for task in tasks:  # keep a bounded number in flight: array chunks carry their pixels
                 pending.add(pool.submit(_build_chunk, task))
@@ -256,6 +260,29 @@ def _run_chunks(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: P
                 _after_chunk(f.result(), cfg, bar, pool)
     finally:
         bar.close()
+
+
+def _worker_start(parent: int) -> None:
+    """Pool initializer: a worker ends when the process that started it does, however that one
+    ended. NOTE: killed with SIGKILL (as the OOM killer does), the parent used to leave its
+    workers waiting on their queue for ever, holding the caller's pipes open."""
+    if sys.platform.startswith("linux"):
+        try:  # the kernel signals us when the parent dies
+            ctypes.CDLL("libc.so.6").prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before we asked
+        os._exit(1)
+
+    def watch():  # elsewhere (and as a second line): look once a second
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="trainfast-parent-watch", daemon=True).start()
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _mp_context():

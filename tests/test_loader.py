@@ -1,3 +1,6 @@
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -137,3 +140,40 @@ def test_subset_draws_only_from_it(pack):
     loader = Loader(pack, batch_size=8, subset=subset, seed=1, device="cpu")
     seen = np.concatenate([loader.indices(e) for e in range(3)])
     assert set(seen.tolist()) <= set(subset.tolist()) and len(loader) == 5
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX")
+def test_a_forked_child_iterates_a_loader_its_parent_used(pack):
+    """The child inherits the thread pool but not its threads; it must not wait on them for ever."""
+    loader = Loader(pack, batch_size=10, device="cpu")
+    first = _labels_of(loader)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if a whole epoch came through
+        try:
+            os._exit(0 if len(_labels_of(loader)) == len(first) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the Loader")
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_iterating_again_after_a_break_continues_the_epoch_then_starts_the_next(pack):
+    loader = Loader(pack, batch_size=10, device="cpu", seed=3)
+    whole = Loader(pack, batch_size=10, device="cpu", seed=3)
+    ref = [y for _, y in whole] + [y for _, y in whole]
+    got = []
+    for _, y in loader:
+        got.append(y)
+        if len(got) == 4:
+            break
+    got += [y for _, y in loader] + [y for _, y in loader]
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -282,3 +282,27 @@ def _state(pid: int) -> str:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_two_writers_to_one_out_one_wins_the_other_says_so(image_folder, tmp_path):
+    from trainfast.data import pack as pack_mod
+
+    out = tmp_path / "p"
+    with pack_mod._only_writer(out):  # another process holds OUT's lock
+        with pytest.raises(TrainfastError, match="another trainfast process is building this pack now"):
+            trainfast.pack(image_folder, out, size=(8, 8), progress=False)
+        assert not out.exists()
+    assert len(trainfast.pack(image_folder, out, size=(8, 8), progress=False)) == 24
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p", "photos"]  # no lock file left
+
+
+def test_two_pack_commands_at_once(image_folder, tmp_path):
+    cmd = [sys.executable, "-m", "trainfast", "pack", str(image_folder), str(tmp_path / "p"), "--size", "512x512",
+           "--encoding", "jpeg", "--workers", "1"]
+    runs = [subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errs = [r.communicate(timeout=120)[1] for r in runs]
+    codes = sorted(r.returncode for r in runs)
+    assert codes in ([0, 0], [0, 1]), errs  # the second either found the pack done, or was told to wait
+    if codes == [0, 1]:
+        assert any("another trainfast process is building this pack now" in e for e in errs)
+    assert "Traceback" not in "".join(errs) and len(Pack(tmp_path / "p")) == 24

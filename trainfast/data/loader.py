@@ -9,6 +9,7 @@ channels_last memory, so no transpose copy is ever made.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,6 +50,7 @@ class Loader:
     """
 
     _pool: ThreadPoolExecutor | None = None
+    _pool_pid = 0
 
     def __init__(self, pack, batch_size: int = 256, *, shuffle: bool = True, drop_last: bool | None = None,
                  seed: int = 0, device=None, dtype: torch.dtype = torch.float32, normalize: bool = True,
@@ -139,8 +141,11 @@ class Loader:
         idx = self.indices(epoch)
         b = self.batch_size
         jobs = (idx[k * b: (k + 1) * b] for k in range(start, len(self)))
-        if self._pool is None:
+        if self._pool is None or self._pool_pid != os.getpid():
+            # NOTE: a fork()ed child inherits the pool but not its threads: work submitted there
+            # would wait for ever. The child makes its own.
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="trainfast-loader")
+            self._pool_pid = os.getpid()
         inflight: deque = deque()
         try:
             for k in range(start, len(self)):
@@ -214,5 +219,5 @@ class Loader:
         return f.view(b, h, w, c).permute(0, 3, 1, 2), y
 
     def __del__(self):
-        if self._pool is not None:
+        if self._pool is not None and self._pool_pid == os.getpid():
             self._pool.shutdown(wait=False, cancel_futures=True)

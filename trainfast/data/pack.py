@@ -9,6 +9,7 @@ is renamed to OUT in one step. A reader never sees a half-written pack.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -77,6 +78,13 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
     identity = {"fingerprint": src.fingerprint(), "options": _options_record(cfg), "count_in": len(order)}
 
     _check_out(out, src)
+    with _only_writer(out):
+        return _build(src, out, order, cfg, identity, overwrite, progress, log)
+
+
+def _build(src: Source, out: Path, order: np.ndarray, cfg: PackConfig, identity: dict, overwrite: bool,
+           progress: bool, log) -> Pack:
+    """Everything from here to the installed pack, by the one process that holds OUT's lock."""
     if out.exists() or out.is_symlink():
         meta = _pack_meta(out)
         if meta is None:
@@ -106,6 +114,46 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
     pk = Pack(out)
     _summarise(pk, src, time.perf_counter() - started, log)
     return pk
+
+
+@contextlib.contextmanager
+def _only_writer(out: Path):
+    """One trainfast process builds OUT at a time; a second one says so at once.
+
+    The lock is a file beside OUT, flock'ed; it is removed by its holder at the end, and a
+    process that locked a file since removed tries again."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; two writers there are the user's to avoid
+        yield
+        return
+    path = out.parent / f".{out.name}.trainfast-lock"
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            raise TrainfastError(f"{out.parent}: cannot write here ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TrainfastError(f"{out}: another trainfast process is building this pack now; wait for it to "
+                                 "finish (then rerun: an up-to-date pack is kept) or choose another OUT") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # its holder removed it as we opened it: take the new one
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os.close(fd)
 
 
 def _check_out(out: Path, src: Source) -> None:

@@ -306,3 +306,50 @@ def test_two_pack_commands_at_once(image_folder, tmp_path):
     if codes == [0, 1]:
         assert any("another trainfast process is building this pack now" in e for e in errs)
     assert "Traceback" not in "".join(errs) and len(Pack(tmp_path / "p")) == 24
+
+
+def test_a_full_disk_is_one_line_and_a_rerun_resumes(image_folder, tmp_path, monkeypatch):
+    import errno
+
+    from trainfast.data import pack as pack_mod
+
+    real = pack_mod._save_npy_atomic
+    calls = []
+
+    def fills_up(path, array):
+        calls.append(path)
+        if len(calls) == 2:  # the second chunk finds the disk full
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, array)
+    monkeypatch.setattr(pack_mod, "_save_npy_atomic", fills_up)
+    out = tmp_path / "p"
+    with pytest.raises(TrainfastError, match=r"no space left on the device .* rerun the same command"):
+        trainfast.pack(image_folder, out, size=(16, 16), chunk=8, workers=1, progress=False)
+    assert not out.exists()
+    monkeypatch.setattr(pack_mod, "_save_npy_atomic", real)
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")), raising=False)
+    with pytest.raises(TrainfastError, match=r"images.npy: no space left on the device"):  # assembling, not SIGBUS
+        trainfast.pack(image_folder, out, size=(16, 16), chunk=8, workers=1, progress=False)
+    monkeypatch.undo()
+    assert len(trainfast.pack(image_folder, out, size=(16, 16), chunk=8, workers=1, progress=False)) == 24
+
+
+def test_float_images_beyond_one_are_refused(tmp_path):
+    x = np.random.default_rng(0).uniform(0, 255, (4, 8, 8, 3)).astype(np.float32)
+    with pytest.raises(TrainfastError, match="float images must be in \\[0, 1\\], and these reach 25"):
+        trainfast.pack((x, np.arange(4)), tmp_path / "p", size=(8, 8), progress=False)
+    assert len(trainfast.pack((x / 255, np.arange(4)), tmp_path / "p", size=(8, 8), progress=False)) == 4
+
+
+def test_an_unreadable_class_folder_is_an_error_not_an_empty_class(image_folder, tmp_path, monkeypatch):
+    real = os.scandir
+
+    def scandir(path="."):  # what a folder without read permission does (root reads every folder)
+        if os.fspath(path).endswith("dog"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(TrainfastError, match="dog: cannot read this folder \\(Permission denied\\)"):
+        trainfast.pack(image_folder, tmp_path / "p", size=(8, 8), progress=False)
+    assert not (tmp_path / "p").exists()

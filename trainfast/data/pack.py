@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import shutil
@@ -105,11 +106,19 @@ def _build(src: Source, out: Path, order: np.ndarray, cfg: PackConfig, identity:
     try:
         _run_chunks(src, chunks, cfg, build, progress)
         pack_dir = _assemble(src, chunks, cfg, build, identity)
+        _install(pack_dir, out)
     except TrainfastError:
         if cfg.on_error == "fail":
             _remove(build)
         raise
-    _install(pack_dir, out)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        need = len(order) * cfg.size[0] * cfg.size[1] * cfg.channels * (2 if cfg.encoding == "raw" else 0.25)
+        free = shutil.disk_usage(build).free
+        raise TrainfastError(f"{e.filename or build}: no space left on the device ({free / 1e9:.2f} GB free there; "
+                             f"this build needs about {need / 1e9:.2f} GB). Free some and rerun the same command: "
+                             "the finished chunks are kept") from None
     _remove(build)
     pk = Pack(out)
     _summarise(pk, src, time.perf_counter() - started, log)
@@ -421,6 +430,21 @@ def _build_chunk(task: dict) -> dict:
 
 # --- assembly: chunks → one pack ----------------------------------------------------------
 
+def _reserve(path: Path) -> None:
+    """Allocate a memory-mapped file's blocks now. NOTE: the map is sparse, and a store into it
+    on a full disk kills the process with SIGBUS and no message; allocated first, a full disk
+    is an OSError (ENOSPC) here, which pack() turns into one line."""
+    if not hasattr(os, "posix_fallocate"):  # macOS, Windows
+        return
+    with open(path, "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # file systems that cannot: write and hope
+                return
+            raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def _assemble(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Path, identity: dict) -> Path:
     chunk_dir = build / "chunks"
     results = [json.loads((chunk_dir / f"{i:06d}.json").read_text(encoding="utf-8")) for i in range(len(chunks))]
@@ -439,6 +463,7 @@ def _assemble(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Pat
     c = cfg.channels
     if cfg.encoding == "raw":
         images = np.lib.format.open_memmap(dest / "images.npy", mode="w+", dtype=np.uint8, shape=(n, h, w, c))
+        _reserve(dest / "images.npy")
         at = 0
         for i, r in enumerate(results):
             part = np.load(chunk_dir / f"{i:06d}.images.npy", allow_pickle=False)
@@ -450,6 +475,7 @@ def _assemble(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Pat
         lengths = np.asarray([x for r in results for x in r["lengths"]], np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         blob = np.lib.format.open_memmap(dest / "jpeg.npy", mode="w+", dtype=np.uint8, shape=(int(offsets[-1]),))
+        _reserve(dest / "jpeg.npy")
         at = 0
         for i in range(len(results)):
             part = np.load(chunk_dir / f"{i:06d}.jpeg.npy", allow_pickle=False)

@@ -81,6 +81,12 @@ def open_source(path, *, path_column="path", label_column="label", label_kind="a
                          "or a CIFAR-10/100 python tarball)")
 
 
+def _unreadable_folder(e: OSError):
+    """os.walk skips a folder it cannot list; a class would silently lose its images."""
+    raise TrainfastError(f"{e.filename}: cannot read this folder ({e.strerror or e}); fix its permissions or move "
+                         "it out of the source")
+
+
 def from_folder(root) -> Source:
     """One subfolder per class, as Keras's image_dataset_from_directory reads it.
 
@@ -90,7 +96,7 @@ def from_folder(root) -> Source:
     classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     keys, labels = [], []
     for index, name in enumerate(classes):
-        for dirpath, dirnames, filenames in os.walk(root / name):
+        for dirpath, dirnames, filenames in os.walk(root / name, onerror=_unreadable_folder):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for fn in sorted(filenames):
                 if fn.lower().endswith(IMAGE_EXTENSIONS) and not fn.startswith("."):
@@ -210,6 +216,11 @@ def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> S
         raise TrainfastError(f"{name}: labels must be integers of shape (N,) or (N, L), got {labels.dtype} {labels.shape}")
     if labels.ndim == 2 and alphabet is None:
         raise TrainfastError(f"{name}: sequence labels (N, L) need an alphabet")
+    if images.dtype.kind == "f":
+        top = float(np.nanmax(images))
+        if top > 1.0 + 1e-3:  # clipped to [0, 1], 0–255 floats would come out almost all white
+            raise TrainfastError(f"{name}: float images must be in [0, 1], and these reach {top:.4g}; for 0–255 "
+                                 "values pass them as uint8 (images.astype(np.uint8)) or divide by 255")
     if classes is None and labels.ndim == 1:
         classes = [str(i) for i in range(int(labels.max()) + 1)]
     keys = [f"{name}[{i}]" for i in range(len(images))]

@@ -209,7 +209,7 @@ def trainfast_run(train: Path, val: Path, epochs: int, model: str, seed: int, wo
 
     import trainfast
     from trainfast.config import TrainConfig
-    from trainfast.tune import tune
+    from trainfast.tuning import tune
 
     t = time.perf_counter()
     packs = [trainfast.pack(root / "labels.csv", work / f"{root.name}.pack", size=SIZE, label_column="plate",

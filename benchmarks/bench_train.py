@@ -40,9 +40,9 @@ import torch
 import trainfast
 from trainfast import hardware, models
 from trainfast.config import Speed
-from trainfast.doctor.cost import layer_costs
+from trainfast.diagnose.cost import layer_costs
 from trainfast.models import rewrite
-from trainfast.tune import measure_trial, tune
+from trainfast.tuning import measure_trial, tune
 
 USER_BATCH = {"cifar_cnn": 256, "plate_cnn": 128, "classifier512": 5}
 MAX_BATCH = {"cifar_cnn": 512, "plate_cnn": 512, "classifier512": 32}
@@ -131,7 +131,7 @@ def main():
         images = np.random.default_rng(0).integers(0, 255, (50_000, 32, 32, 3), dtype=np.uint8)
         pk = trainfast.pack((images, np.arange(50_000) % 10), tmp / "c", size=(32, 32), progress=False)
         chosen = tune(models.create("cifar_cnn"), (3, 32, 32), device=dev, try_compile=False, log=lambda m: None).best
-        from trainfast.doctor.timing import step_breakdown
+        from trainfast.diagnose.timing import step_breakdown
         loader = trainfast.Loader(pk, chosen.batch_size, device=dev)
         t = time.perf_counter()
         step_breakdown(models.create("cifar_cnn"), loader, device=dev, speed=chosen, steps=len(loader) - 1, warmup=1)

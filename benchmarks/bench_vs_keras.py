@@ -72,8 +72,8 @@ def trainfast_tuned(name: str, runs: int, steps: int) -> dict:
     import torch
 
     from trainfast import hardware, models
-    from trainfast.doctor.cost import layer_costs
-    from trainfast.tune import measure_trial, tune
+    from trainfast.diagnose.cost import layer_costs
+    from trainfast.tuning import measure_trial, tune
 
     net = models.create(name)
     e = models.entry(name)

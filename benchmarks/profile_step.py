@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainfast import hardware, models
 from trainfast import step as _step
-from trainfast.doctor.timing import synthetic_batches
-from trainfast.tune import tune
+from trainfast.diagnose.timing import synthetic_batches
+from trainfast.tuning import tune
 
 MAX_BATCH = {"plate_cnn": 512, "cifar_cnn": 512, "classifier512": 32}
 

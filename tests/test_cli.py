@@ -47,5 +47,7 @@ def test_every_subcommand_has_help(command, capsys):
 def test_public_api_names():
     import trainfast
     assert callable(trainfast.fit) and callable(trainfast.pack)
+    assert callable(trainfast.doctor) and callable(trainfast.tune)  # functions, as users spell them
+    assert trainfast.doctor.__module__ == "trainfast.diagnose" and trainfast.tune.__module__ == "trainfast.tuning"
     assert trainfast.Pack and trainfast.Loader and trainfast.Augment
     assert "cifar_cnn" in trainfast.models.list()

@@ -1,6 +1,6 @@
 import torch.nn as nn
 
-from trainfast.doctor.cost import layer_costs
+from trainfast.diagnose.cost import layer_costs
 
 
 def test_conv_linear_pool_counts_by_hand():

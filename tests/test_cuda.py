@@ -18,9 +18,9 @@ import trainfast
 from conftest import Signals
 from trainfast import Augment, Loader
 from trainfast.config import Speed, TrainConfig
-from trainfast.doctor.timing import step_breakdown
+from trainfast.diagnose.timing import step_breakdown
 from trainfast.train import fit
-from trainfast.tune import tune
+from trainfast.tuning import tune
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 QUIET = dict(progress=False, log=lambda *a: None)

@@ -8,7 +8,7 @@ import torch.nn as nn
 import trainfast
 from trainfast import hardware
 from trainfast.cli import main
-from trainfast.doctor import doctor
+from trainfast.diagnose import doctor
 from trainfast.errors import TrainfastError
 
 
@@ -124,6 +124,6 @@ def test_a_cpu_without_bf16_instructions_gets_no_bf16_peak_and_is_told(pack, mon
     monkeypatch.setattr(hardware, "machine_key", lambda d: "avx2-only test machine")  # its own cache entry
     r = doctor(Tiny(), pack, batch_size=16, steps=2, warmup=1, device="cpu")
     assert set(r.peaks["matmul_flops"]) == {"float32"}
-    text = trainfast.doctor.report.render_text(r)
+    text = trainfast.diagnose.report.render_text(r)
     assert "bf16 is emulated here" in text and "no AVX512-BF16 or AMX-BF16 instructions" in text
     assert not any("bf16" in rec.title for rec in r.recommendations)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainfast.cli import main
-from trainfast.doctor.script import doctor_script
+from trainfast.diagnose.script import doctor_script
 from trainfast.errors import TrainfastError
 
 KERAS_SEQUENCE = '''
@@ -122,7 +122,7 @@ def test_a_failing_script_shows_its_own_traceback_and_what_was_measured(tmp_path
     out, err = capsys.readouterr()
     assert code == 1
     assert "RuntimeError: the user's bug at step 5" in err and f'File "{script}"' in err
-    assert "runpy" not in err and "trainfast/doctor" not in err  # the traceback is the script's own
+    assert "runpy" not in err and "trainfast/diagnose" not in err  # the traceback is the script's own
     assert "the script failed" in out and "3 timed steps after 2 warm-up" in out
 
 
@@ -174,7 +174,7 @@ def test_steps_must_be_positive():
 
 
 def _report_with(data_source, data_functions):
-    from trainfast.doctor.script import ScriptReport, Step, _findings
+    from trainfast.diagnose.script import ScriptReport, Step, _findings
     steps = [Step(seconds=0.1, data=0.03, batch_size=64) for _ in range(6)]
     system = {"device": "cpu", "usable_cores": 2, "torch_threads": 2, "cuda_available": False}
     r = ScriptReport(command=["python", "t.py"], framework="keras", stopped="", steps=steps, warmup=2,

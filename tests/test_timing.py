@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import trainfast
-from trainfast.doctor.timing import step_breakdown
+from trainfast.diagnose.timing import step_breakdown
 from trainfast.errors import TrainfastError
 
 

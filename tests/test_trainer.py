@@ -288,3 +288,17 @@ def test_resume_finds_its_pack_from_anywhere_and_refuses_another(digits_packs, s
     assert len(r.history) == 1
     with pytest.raises(TrainfastError, match="not the training pack this run trained on"):
         fit(Signals(), train.path.name, device="cpu", run_dir=run, resume=True, progress=False, log=lambda *a: None)
+
+
+def test_the_api_as_users_spell_it(tmp_path):
+    """pack((images, labels), out, alphabet=...) for sequences; fit with Keras-like keywords."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (96, 64, 128, 3), dtype=np.uint8)
+    pk = trainfast.pack((images, rng.integers(0, 36, (96, 8))), tmp_path / "plates", size=(64, 128),
+                        alphabet="0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ", progress=False)
+    assert pk.sequence_length == 8 and len(pk.alphabet) == 36
+    r = trainfast.fit("plate_net", pk, epochs=1, batch_size=32, lr=1e-3, optimizer="adamw", tune=False,
+                      device="cpu", run_dir=tmp_path / "run", progress=False, log=lambda *a: None)
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert len(r.history) == 1 and r.speed.batch_size == 32
+    assert (cfg["train"]["epochs"], cfg["train"]["lr"], cfg["train"]["optimizer"]) == (1, 1e-3, "adamw")

@@ -1,10 +1,10 @@
 import torch
 import torch.nn as nn
 
-from trainfast import tune as tune_mod
+from trainfast import tuning as tune_mod
 from trainfast.cli import main
 from trainfast.models import rewrite
-from trainfast.tune import Trial, tune
+from trainfast.tuning import Trial, tune
 
 
 def _net():

@@ -1,7 +1,7 @@
 import pytest
 
-from trainfast.doctor.timing import StepTimes
-from trainfast.doctor.verdict import Roofline, verdict
+from trainfast.diagnose.timing import StepTimes
+from trainfast.diagnose.verdict import Roofline, verdict
 
 
 def _times(data, compute=0.1, batch=64):

@@ -7,6 +7,12 @@ The public surface is small:
     pk = trainfast.Pack("photos.pack")
     for images, labels in trainfast.Loader(pk, batch_size=256):
         ...
+    trainfast.doctor("plate_cnn", pk)                  # where a training step's time goes
+    trainfast.tune(model, (3, 64, 128))                # the fastest settings here
+    trainfast.fit(model, pk, epochs=10)                # train with them
+
+The rooms behind the functions: trainfast.diagnose (doctor), trainfast.tuning (tune),
+trainfast.train (fit), trainfast.data (pack, Pack, Loader).
 
 NOTE: names are imported lazily, so that pack worker processes (which need only numpy and
 Pillow) start without importing torch.
@@ -19,6 +25,8 @@ _EXPORTS = {
     "Loader": "trainfast.data.loader",
     "Augment": "trainfast.data.augment",
     "pack": "trainfast.data.pack",
+    "doctor": "trainfast.diagnose",
+    "tune": "trainfast.tuning",
     "fit": "trainfast.train.trainer",
     "TrainfastError": "trainfast.errors",
     "models": "trainfast.models",

@@ -248,11 +248,11 @@ def _cmd_doctor(a) -> ExitStatus:
     import json
 
     from trainfast.config import Speed
-    from trainfast.doctor import doctor
+    from trainfast.diagnose import doctor
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     if a.script is not None:
-        from trainfast.doctor.script import doctor_script
+        from trainfast.diagnose.script import doctor_script
         if a.model or a.data:
             raise TrainfastError("give either --model and --data, or a script after --, not both")
         report = doctor_script(a.script, steps=a.steps or 50, seconds=a.seconds, log=log)
@@ -291,7 +291,7 @@ def _write(path: str, text: str) -> None:
 
 def _cmd_models(a) -> ExitStatus:
     from trainfast import models
-    from trainfast.doctor.cost import layer_costs
+    from trainfast.diagnose.cost import layer_costs
 
     if a.names:
         print("\n".join(models.list()))
@@ -306,8 +306,8 @@ def _cmd_models(a) -> ExitStatus:
 
 
 def _cmd_tune(a) -> ExitStatus:
-    from trainfast.doctor import load_model
-    from trainfast.tune import tune
+    from trainfast.diagnose import load_model
+    from trainfast.tuning import tune
 
     model, _ = load_model(a.model)
     shape = a.input_shape

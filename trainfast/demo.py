@@ -32,12 +32,12 @@ from trainfast.data.naive import PerImageBatches
 from trainfast.data.pack import pack
 from trainfast.data.sources import from_csv
 from trainfast.datasets.plates import make_plates
-from trainfast.doctor import doctor
-from trainfast.doctor.report import layer_chart, step_chart
+from trainfast.diagnose import doctor
+from trainfast.diagnose.report import layer_chart, step_chart
 from trainfast.train import fit
 from trainfast.train.trainer import evaluate
 from trainfast.train.distributed import World
-from trainfast.tune import tune
+from trainfast.tuning import tune
 
 
 @dataclass

@@ -77,7 +77,7 @@ class SpeedDoctor(keras.callbacks.Callback):
         self._begin = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        from trainfast.doctor.script import Step
+        from trainfast.diagnose.script import Step
         now = time.perf_counter()
         if self._done or self._begin is None:
             return
@@ -93,7 +93,7 @@ class SpeedDoctor(keras.callbacks.Callback):
 
     def _finish(self, when: str):
         from trainfast import hardware
-        from trainfast.doctor.script import ScriptReport, _keras_layers
+        from trainfast.diagnose.script import ScriptReport, _keras_layers
 
         self._done = True
         layers, model = _keras_layers(self.model)

@@ -48,7 +48,8 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
             replaced only with overwrite=True; anything else there is refused.
         config: a PackConfig; keyword options (size=(64, 128), encoding="jpeg", ...) override it.
         progress: show a progress bar and print a summary to stderr.
-        path_column, label_column, label_kind, alphabet, split: how to read CSV and CIFAR sources.
+        path_column, label_column, label_kind, alphabet, split: how to read CSV and CIFAR sources;
+            alphabet also for (images, labels) arrays with sequence labels (N, L).
 
     Returns:
         the finished Pack.
@@ -64,8 +65,8 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
 
     if isinstance(source, Source):
         src = source
-    elif isinstance(source, tuple) and len(source) == 2:
-        src = from_arrays(*source)
+    elif isinstance(source, tuple) and len(source) == 2:  # (images, labels); sequences name their alphabet
+        src = from_arrays(*source, alphabet=source_options.get("alphabet"))
     else:
         src = open_source(source, **source_options)
 

@@ -282,7 +282,7 @@ def _epoch_line(row: dict, sequence: bool) -> str:
 
 def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say) -> tuple[Speed, list[dict]]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user pinned."""
-    from trainfast.tune import tune as _tune
+    from trainfast.tuning import tune as _tune
 
     h, w, c = pk.shape
     result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"),
@@ -335,14 +335,19 @@ def _determinism(on: bool):
         torch.backends.cudnn.benchmark = before[2]
 
 
-def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Speed | None = None,
+def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
+        optimizer: str | None = None, config: TrainConfig | None = None, speed: Speed | None = None,
         pin: dict | None = None, augment: Augment | None = None, device=None, run_dir=None,
         resume: bool = False, tune: bool = True, progress: bool = True, log=print) -> FitResult:
     """Train `model` on the pack `train`, validating on `val` (or a held-out split).
 
+        trainfast.fit("cifar_resnet", "cifar.pack", epochs=10)
+
     Args:
         model: an nn.Module or a registered name.
         train, val: packs (or their paths); without `val`, config.val_fraction is held out.
+        epochs, batch_size, lr, optimizer: as `trainfast train` names them; they override
+            `config`, and a batch_size is pinned (tuning keeps it).
         config: a TrainConfig; speed: the settings to use (default: tuned on this machine
             when tune=True, else Speed()); pin: settings fixed by the user, e.g.
             {"batch_size": 64}, that tuning keeps; augment: batched augmentations.
@@ -353,7 +358,10 @@ def fit(model, train, val=None, *, config: TrainConfig | None = None, speed: Spe
     Returns:
         FitResult with the history and the best validation accuracy.
     """
-    cfg = config or TrainConfig()
+    cfg = replace(config or TrainConfig(), **{k: v for k, v in (("epochs", epochs), ("lr", lr),
+                                                               ("optimizer", optimizer)) if v is not None})
+    if batch_size is not None:
+        pin = {**(pin or {}), "batch_size": batch_size}
     _check_config(cfg)
     if resume:
         if not run_dir:

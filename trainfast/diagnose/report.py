@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 import io
 
-from trainfast.doctor.timing import STAGES
+from trainfast.diagnose.timing import STAGES
 
 _STAGE_NAMES = {"data": "data wait", "copy": "host→device", "forward": "forward", "backward": "backward",
                 "optimizer": "optimizer", "other": "other"}

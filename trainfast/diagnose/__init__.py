@@ -27,9 +27,9 @@ from trainfast.data.format import Pack, is_pack
 from trainfast.data.loader import Loader
 from trainfast.data.naive import PerImageBatches
 from trainfast.data.sources import Source, open_source
-from trainfast.doctor.cost import ModelCost, layer_costs
-from trainfast.doctor.timing import StepTimes, step_breakdown, synthetic_batches
-from trainfast.doctor.verdict import Recommendation, Roofline, Verdict, roofline, verdict
+from trainfast.diagnose.cost import ModelCost, layer_costs
+from trainfast.diagnose.timing import StepTimes, step_breakdown, synthetic_batches
+from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, roofline, verdict
 from trainfast.errors import TrainfastError
 
 SCHEMA_VERSION = 1
@@ -59,11 +59,11 @@ class Report:
                 "recommendations": [r.to_dict() for r in self.recommendations], "seconds": self.seconds}
 
     def text(self) -> str:
-        from trainfast.doctor.report import render_text
+        from trainfast.diagnose.report import render_text
         return render_text(self)
 
     def html(self) -> str:
-        from trainfast.doctor.report import render_html
+        from trainfast.diagnose.report import render_html
         return render_html(self)
 
 

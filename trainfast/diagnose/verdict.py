@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from trainfast.doctor.cost import ModelCost
-from trainfast.doctor.timing import StepTimes
+from trainfast.diagnose.cost import ModelCost
+from trainfast.diagnose.timing import StepTimes
 
 HIGHLY_INPUT_BOUND = 0.20
 MODERATELY_INPUT_BOUND = 0.05

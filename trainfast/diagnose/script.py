@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainfast import hardware
-from trainfast.doctor.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUND
+from trainfast.diagnose.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUND
 from trainfast.errors import TrainfastError
 
 SCHEMA_VERSION = 1
@@ -507,7 +507,7 @@ def _keras_layers(model) -> tuple[list[dict], dict]:
 
 
 def _torch_layers(probe: _Probe) -> tuple[list[dict], dict, list[str]]:
-    from trainfast.doctor.cost import layer_costs
+    from trainfast.diagnose.cost import layer_costs
     import copy
 
     try:

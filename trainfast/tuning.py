@@ -30,7 +30,7 @@ import torch
 from trainfast import hardware
 from trainfast import step as _step
 from trainfast.config import Speed
-from trainfast.doctor.timing import step_breakdown, synthetic_batches
+from trainfast.diagnose.timing import step_breakdown, synthetic_batches
 from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
 

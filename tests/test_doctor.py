@@ -127,3 +127,10 @@ def test_a_cpu_without_bf16_instructions_gets_no_bf16_peak_and_is_told(pack, mon
     text = trainfast.diagnose.report.render_text(r)
     assert "bf16 is emulated here" in text and "no AVX512-BF16 or AMX-BF16 instructions" in text
     assert not any("bf16" in rec.title for rec in r.recommendations)
+
+
+def test_a_busy_machine_is_said_in_the_report(pack, monkeypatch):
+    monkeypatch.setattr(hardware.OtherLoad, "__exit__", lambda self, *exc: setattr(self, "cores", 1.6))
+    r = doctor(Tiny(), pack, batch_size=16, steps=2, warmup=1, try_fixes=False, device="cpu")
+    assert r.other_load == 1.6 and r.to_dict()["other_load_cores"] == 1.6
+    assert "WARNING  other processes kept 1.6 of this machine's" in r.text()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from functools import lru_cache
 
 # Flags in /proc/cpuinfo that change which kernels torch can use, in the order we print them.
@@ -123,6 +124,63 @@ def resolve_device(name: str | None):
     elif device.type != "cpu":
         raise ValueError(f"device {name!r} is not supported (use cpu, cuda or cuda:N)")
     return device
+
+
+# --- other processes' load -----------------------------------------------------------------------
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes have used since boot, from /proc/stat (Linux); None elsewhere.
+    Counts steal time too: a hypervisor giving our cores to other guests is load as well."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()  # all our threads, and children we have waited for (pack workers)
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class OtherLoad:
+    """How many cores other processes kept busy while a measurement ran.
+
+        with OtherLoad() as load:
+            ...measure...
+        load.cores, load.warning()
+
+    On 2 cores a second heavy process slows torch's threads 10× or more, so a figure measured
+    beside one says more about the neighbour than about the code."""
+
+    def __enter__(self):
+        self.start = (time.perf_counter(), _busy_cpu_seconds(), _own_cpu_seconds())
+        self.cores: float | None = None
+        return self
+
+    def __exit__(self, *exc):
+        wall0, busy0, own0 = self.start
+        busy = _busy_cpu_seconds()
+        wall = time.perf_counter() - wall0
+        if busy is not None and busy0 is not None and wall > 0:
+            self.cores = max(0.0, (busy - busy0) - (_own_cpu_seconds() - own0)) / wall
+        return False
+
+    def summary(self) -> str:
+        """One line for a benchmark's output: the warning, or how idle the machine stayed."""
+        if self.cores is None:
+            return "(other processes' load: not measurable here)"
+        return self.warning() or f"(other processes kept {self.cores:.2f} cores busy on average while this ran)"
+
+    def warning(self) -> str:
+        """A sentence when others used a quarter of the usable cores or more, else ''."""
+        cores = usable_cores()
+        if self.cores is None or self.cores < max(0.25 * cores, 0.3):
+            return ""
+        return (f"other processes kept {self.cores:.1f} of this machine's {cores} cores busy while this ran: the "
+                "figures may be low, by a large factor on few cores; measure again on an idle machine")
 
 
 # --- measured peaks ---------------------------------------------------------------------------

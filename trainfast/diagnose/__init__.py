@@ -50,13 +50,16 @@ class Report:
     verdict: Verdict
     recommendations: list[Recommendation] = field(default_factory=list)
     seconds: float = 0.0
+    other_load: float | None = None  # cores other processes kept busy while the doctor measured
+    load_warning: str = ""
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA_VERSION, "model": self.model, "data": self.data, "system": self.system,
                 "peaks": self.peaks, "cost": self.cost.to_dict(), "speed": self.speed.to_dict(),
                 "steps": self.times.to_dict(), "roofline": self.roofline.to_dict(),
                 "verdict": self.verdict.to_dict(),
-                "recommendations": [r.to_dict() for r in self.recommendations], "seconds": self.seconds}
+                "recommendations": [r.to_dict() for r in self.recommendations], "seconds": self.seconds,
+                "other_load_cores": self.other_load, "load_warning": self.load_warning}
 
     def text(self) -> str:
         from trainfast.diagnose.report import render_text
@@ -156,13 +159,15 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
     except ValueError as e:
         raise TrainfastError(str(e)) from None
     log(f"timing {steps} training steps on {described}…")
-    times = step_breakdown(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=warmup)
-    roof = roofline(cost, times, peaks, speed.precision)
-    found = verdict(times, roof)
-    report = Report(name, described, hardware.describe(dev), peaks, cost, speed, times, roof, found)
-    if try_fixes:
-        log("trying the fixes on the spot…")
-        report.recommendations = _recommendations(net, report, dev, src, pk, log)
+    with hardware.OtherLoad() as load:
+        times = step_breakdown(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=warmup)
+        roof = roofline(cost, times, peaks, speed.precision)
+        found = verdict(times, roof)
+        report = Report(name, described, hardware.describe(dev), peaks, cost, speed, times, roof, found)
+        if try_fixes:
+            log("trying the fixes on the spot…")
+            report.recommendations = _recommendations(net, report, dev, src, pk, log)
+    report.other_load, report.load_warning = load.cores, load.warning()
     report.seconds = time.perf_counter() - started
     return report
 

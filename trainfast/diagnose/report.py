@@ -29,6 +29,8 @@ def render_text(r) -> str:
     lines = [f"trainfast doctor — {r.model} on {r.data}",
              f"batch {t.batch_size}, {r.speed.label()}, device {r.system['device']}, {t.steps} timed steps", ""]
     lines.append(f"VERDICT  {r.verdict.sentence}")
+    if r.load_warning:
+        lines.append(f"WARNING  {r.load_warning}")
     compute_rate = t.batch_size / max(t.step - t.data, 1e-12)
     lines.append(f"         {t.images_per_s:,.0f} images/s now; the compute side alone runs at {compute_rate:,.0f} images/s")
     lines.append(f"         roofline {roof.bound_s * 1e3:.3f} ms/image vs {roof.measured_s * 1e3:.3f} ms measured "

@@ -1,0 +1,34 @@
+"""What this machine is, and how busy other processes keep it."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from trainfast import hardware
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/stat")
+def test_other_load_counts_a_busy_neighbour_and_not_ourselves():
+    with hardware.OtherLoad() as own:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.5:  # this process's own work is not "other"
+            pass
+    assert own.cores is not None and own.cores < 0.3 and own.warning() == ""
+    spin = "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 1.5: pass"
+    neighbour = subprocess.Popen([sys.executable, "-c", spin])
+    time.sleep(0.2)  # past its start-up
+    with hardware.OtherLoad() as busy:
+        time.sleep(1.0)
+    neighbour.wait()
+    assert busy.cores > 0.7 and "other processes kept" in busy.warning()
+
+
+def test_fast_precisions_follow_the_cpu_flags(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(hardware, "isa_features", lambda: ["AVX2", "AVX-512", "AVX512-BF16"])
+    assert hardware.fast_precisions(cpu) == ("bf16",)
+    monkeypatch.setattr(hardware, "isa_features", lambda: ["AVX2"])
+    assert hardware.fast_precisions(cpu) == ()  # bf16 would be emulated; fp16 never on a CPU

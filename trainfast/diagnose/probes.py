@@ -1,0 +1,441 @@
+"""The probes of `trainfast doctor -- python train.py`: what they measure in a user's script.
+
+One `_Probe` holds the measurements of a run: the steps (data wait, the train step's parts),
+the data source, the devices, and the stack samples of the data pipeline. The hooks feed it:
+
+- PyTorch: each DataLoader iterator's `__next__`, `torch.autograd.backward`, the optimizer's
+  global step hooks, the outermost module call.
+- Keras 3 (any backend): `Model.fit` gets a callback and its data is wrapped, once keras is
+  imported (a meta-path watcher patches it then).
+
+script.py runs the script with these installed, stops it, and reports.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import sysconfig
+import threading
+import time
+import types
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+WARMUP = 2  # steps not counted: first-step allocation, tracing, XLA compiles
+SAMPLE_EVERY_S = 0.005
+_OURS = str(Path(__file__).resolve().parents[1]) + os.sep  # the trainfast package
+_RUNNER = os.path.join(os.path.dirname(__file__), "script.py")  # where doctor_script runs the script
+# Frames of the machinery around the user's data code, left out of the named culprits.
+_MACHINERY = (_OURS, "runpy.py", "<frozen ", "threading.py", "concurrent" + os.sep,
+              os.path.join("torch", "utils"), os.path.join("torch", "autograd"), os.path.join("torch", "_ops.py"),
+              os.path.join("keras", "src"), "tensorflow" + os.sep)
+
+
+class StopScript(BaseException):
+    """Raised inside the script to stop it; a BaseException so `except Exception` passes it on."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Step:
+    seconds: float
+    data: float = 0.0
+    backward: float = 0.0
+    optimizer: float = 0.0
+    batch_size: int = 0
+    generator: float = 0.0  # time inside the data source, on any thread (Keras may fetch ahead)
+
+
+class _Probe:
+    """The measurements of one script run; the hooks below feed it."""
+
+    def __init__(self, steps: int, seconds: float, warmup: int):
+        self.max_steps, self.deadline, self.warmup = steps + warmup, time.perf_counter() + seconds, warmup
+        self.started = self.last = time.perf_counter()
+        self.cur = Step(0.0)
+        self.steps: list[Step] = []
+        self.framework = "none"
+        self.data_source: dict = {}
+        self.devices: dict = {"model": set(), "batches": set()}
+        self.batches = 0
+        self.generator_times: list[float] = []
+        self.data_threads: dict[int, int] = {}  # thread id → depth inside the data pipeline
+        self.samples: dict[str, Counter] = {"data": Counter(), "all": Counter()}
+        self.sample_count = Counter()
+        self.model_ref = None
+        self.model_input = None
+        self.keras_model = None
+        self.module_depth = 0
+        self.cuda = False
+        self.lock = threading.Lock()
+
+    # -- time accounting ----------------------------------------------------------------------
+
+    def sync(self):
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+
+    def boundary(self, batch_size: int = 0):
+        """One training step ended (an optimizer step, a Keras batch)."""
+        self.sync()
+        now = time.perf_counter()
+        self.cur.seconds, self.cur.batch_size = now - self.last, batch_size or self.cur.batch_size
+        self.steps.append(self.cur)
+        self.cur, self.last = Step(0.0), now
+        if len(self.steps) >= self.max_steps:
+            raise StopScript("stopped after the requested steps")
+        self.check_time()
+
+    def check_time(self):
+        if time.perf_counter() > self.deadline:
+            raise StopScript("time limit reached")
+
+    def enter_data(self):
+        tid = threading.get_ident()
+        with self.lock:
+            self.data_threads[tid] = self.data_threads.get(tid, 0) + 1
+        return time.perf_counter()
+
+    def leave_data(self, t0: float, waited: bool = True):
+        dt = time.perf_counter() - t0
+        tid = threading.get_ident()
+        with self.lock:
+            self.data_threads[tid] -= 1
+            outermost = not self.data_threads[tid]
+            if outermost:
+                del self.data_threads[tid]
+        if outermost:  # a probe inside another (Keras's torch backend wraps a PyDataset in a DataLoader)
+            self.cur.generator += dt
+            if waited and tid == threading.main_thread().ident:
+                self.cur.data += dt
+        return dt
+
+    def note_batch(self, batch):
+        self.batches += 1
+        for t in _tensors(batch):
+            self.devices["batches"].add(str(getattr(t, "device", "cpu")))
+            if not self.cur.batch_size and getattr(t, "shape", None) is not None and len(t.shape):
+                self.cur.batch_size = int(t.shape[0])
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def sample_forever(self, stop: threading.Event):
+        main = threading.main_thread().ident
+        while not stop.wait(SAMPLE_EVERY_S):
+            frames = sys._current_frames()
+            with self.lock:
+                data_tids = list(self.data_threads)
+            for tid in data_tids:
+                if tid in frames:
+                    self._count("data", frames[tid], below_probe=True)
+            if main in frames:
+                self._count("all", frames[main])
+
+    def _count(self, bucket: str, frame, below_probe: bool = False):
+        """Count each function on the stack once; with below_probe, only the frames the data
+        probe called (the pipeline), not the training loop above it."""
+        stack = []
+        while frame is not None:
+            code = frame.f_code
+            if (below_probe and code.co_filename == __file__) or \
+                    (code.co_name == "doctor_script" and code.co_filename == _RUNNER):
+                break  # above this: the training loop (below_probe: a probe here), or whoever called the doctor
+            if not any(m in frame.f_code.co_filename for m in _MACHINERY):
+                stack.append(frame)
+            frame = frame.f_back
+        seen = set()
+        for f in reversed(stack):  # outermost first: the user's functions, then the library call they make
+            library = _is_library(f.f_code.co_filename)
+            if library and "<locals>" in getattr(f.f_code, "co_qualname", ""):
+                continue  # a decorator's wrapper (skimage wraps imread so): name the function it wraps
+            seen.add(_func_name(f))
+            if library:
+                break  # what runs inside skimage.transform.resize is resize's business
+        self.samples[bucket].update(seen)
+        self.sample_count[bucket] += 1
+
+    def top(self, bucket: str, n: int = 8) -> list[tuple[str, float]]:
+        total = self.sample_count[bucket]
+        items = [(_public_name(*k), v / total) for k, v in self.samples[bucket].most_common()
+                 if not k[1].endswith(">")]  # not <module>, <listcomp>, <genexpr>
+        return items[:n] if total else []
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def _is_library(filename: str) -> bool:
+    return "site-packages" in filename or "dist-packages" in filename or filename.startswith(_STDLIB)
+
+
+def _func_name(frame) -> tuple[str, str, str]:
+    code = frame.f_code
+    return frame.f_globals.get("__name__", ""), getattr(code, "co_qualname", code.co_name), code.co_filename
+
+
+def _public_name(module: str, qual: str, filename: str) -> str:
+    """skimage.transform._warps.resize → skimage.transform.resize: the shortest package path that
+    exports the function, as users write it; a script's own functions as file.py:function."""
+    if module in ("__main__", "__mp_main__") or not module:
+        return f"{Path(filename).name}:{qual}"
+    parts = module.split(".")
+    if "." not in qual:
+        for i in range(1, len(parts)):
+            obj = getattr(sys.modules.get(".".join(parts[:i])), qual, None)
+            code = getattr(getattr(obj, "__wrapped__", obj), "__code__", None)
+            if code is not None and code.co_filename == filename:
+                return f"{'.'.join(parts[:i])}.{qual}"
+    return f"{module}.{qual}"
+
+
+def _tensors(batch):
+    if isinstance(batch, (list, tuple)):
+        for b in batch:
+            yield from _tensors(b)
+    elif isinstance(batch, dict):
+        for b in batch.values():
+            yield from _tensors(b)
+    elif hasattr(batch, "shape"):
+        yield batch
+
+
+# -- PyTorch probes ---------------------------------------------------------------------------
+
+class _TimedIterator:
+    def __init__(self, it, probe: _Probe):
+        self._it, self._probe = it, probe
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self._probe.check_time()
+        t0 = self._probe.enter_data()
+        try:
+            batch = next(self._it)
+        finally:
+            self._probe.leave_data(t0)
+        self._probe.note_batch(batch)
+        return batch
+
+    def __len__(self):
+        return len(self._it)
+
+    def __getattr__(self, name):
+        return getattr(self._it, name)
+
+
+def _install_torch(probe: _Probe, undo: list):
+    import torch
+    import torch.utils.data as tud
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim_mod
+
+    original_iter = tud.DataLoader.__iter__
+
+    def dataloader_iter(self):
+        if probe.framework == "keras":  # Keras's own DataLoader around the user's data: keep Keras's view
+            return _TimedIterator(original_iter(self), probe)
+        probe.data_source = {"kind": "torch DataLoader", "num_workers": self.num_workers,
+                             "pin_memory": self.pin_memory, "batch_size": self.batch_size,
+                             "dataset": type(self.dataset).__name__}
+        return _TimedIterator(original_iter(self), probe)
+
+    tud.DataLoader.__iter__ = dataloader_iter
+    undo.append(lambda: setattr(tud.DataLoader, "__iter__", original_iter))
+
+    original_backward = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        probe.sync()
+        t0 = time.perf_counter()
+        try:
+            return original_backward(*args, **kwargs)
+        finally:
+            probe.sync()
+            probe.cur.backward += time.perf_counter() - t0
+
+    torch.autograd.backward = backward
+    undo.append(lambda: setattr(torch.autograd, "backward", original_backward))
+
+    opt_t0 = [0.0]
+
+    def pre(optimizer, args, kwargs):
+        probe.sync()
+        opt_t0[0] = time.perf_counter()
+
+    def post(optimizer, args, kwargs):
+        probe.sync()
+        probe.cur.optimizer += time.perf_counter() - opt_t0[0]
+        if probe.framework == "none":
+            probe.framework = "pytorch"
+        for g in optimizer.param_groups:
+            for p in g["params"][:1]:
+                probe.devices["model"].add(str(p.device))
+                probe.cuda = probe.cuda or p.device.type == "cuda"
+        if probe.framework == "pytorch":
+            probe.boundary()
+
+    h1 = optim_mod.register_optimizer_step_pre_hook(pre)
+    h2 = optim_mod.register_optimizer_step_post_hook(post)
+    undo += [h1.remove, h2.remove]
+
+    def fwd_pre(module, args):
+        if probe.module_depth == 0 and probe.model_ref is None and probe.keras_model is None:
+            x = next(_tensors(args), None)
+            if x is not None and getattr(x, "dim", lambda: 0)() == 4:
+                probe.model_ref, probe.model_input = module, tuple(x.shape[1:])
+        probe.module_depth += 1
+
+    def fwd_post(module, args, out):
+        probe.module_depth -= 1
+
+    h3 = nn_module.register_module_forward_pre_hook(fwd_pre)
+    h4 = nn_module.register_module_forward_hook(fwd_post, always_call=True)
+    undo += [h3.remove, h4.remove]
+
+
+# -- Keras probes -----------------------------------------------------------------------------
+
+def _patch_keras(keras, probe: _Probe, undo: list):
+    Model = keras.Model
+    original_fit = Model.fit
+
+    class _Doctor(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            probe.boundary(probe.cur.batch_size)
+
+    def fit(self, x=None, *args, **kwargs):
+        probe.framework = "keras"
+        probe.keras_model = self
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        kwargs["callbacks"] = callbacks + [_Doctor()]
+        return original_fit(self, _wrap_keras_data(keras, x, probe), *args, **kwargs)
+
+    Model.fit = fit
+    undo.append(lambda: setattr(Model, "fit", original_fit))
+
+
+def _timed_getitem(cls, probe: _Probe):
+    original = cls.__getitem__
+
+    def __getitem__(self, i):
+        t0 = probe.enter_data()
+        try:
+            batch = original(self, i)
+        finally:
+            probe.generator_times.append(probe.leave_data(t0))
+        probe.note_batch(batch)
+        return batch
+
+    return type(cls.__name__, (cls,), {"__getitem__": __getitem__, "__module__": cls.__module__})
+
+
+def _wrap_keras_data(keras, x, probe: _Probe):
+    if isinstance(x, keras.utils.PyDataset):
+        probe.data_source = {"kind": f"keras PyDataset ({type(x).__name__})",
+                             "workers": getattr(x, "workers", 1),
+                             "use_multiprocessing": getattr(x, "use_multiprocessing", False)}
+        if type(x).__module__.startswith("trainfast."):
+            probe.data_source["reads"] = "a trainfast pack"
+        x.__class__ = _timed_getitem(type(x), probe)
+        return x
+    if isinstance(x, types.GeneratorType) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
+        probe.data_source = {"kind": "Python generator"}
+
+        def timed():
+            while True:
+                t0 = probe.enter_data()
+                try:
+                    batch = next(x)
+                except StopIteration:
+                    probe.leave_data(t0)
+                    return
+                except BaseException:
+                    probe.leave_data(t0)
+                    raise
+                probe.generator_times.append(probe.leave_data(t0))
+                probe.note_batch(batch)
+                yield batch
+
+        return timed()
+    kind = type(x).__module__.split(".")[0]
+    probe.data_source = {"kind": "in-memory arrays" if kind == "numpy" else f"{type(x).__name__} ({kind})"}
+    return x
+
+
+class _KerasWatcher(importlib.abc.MetaPathFinder):
+    """Patch Keras as soon as the script imports it (importing it ourselves would cost seconds)."""
+
+    def __init__(self, probe: _Probe, undo: list):
+        self.probe, self.undo, self.done = probe, undo, False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "keras" or self.done:
+            return None
+        self.done = True
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return None
+        loader, watcher = spec.loader, self
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, s):
+                return loader.create_module(s)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                _patch_keras(module, watcher.probe, watcher.undo)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _keras_layers(model) -> tuple[list[dict], dict]:
+    """Per-layer parameters and forward FLOPs per image, from each layer's config and output shape."""
+    rows = []
+    for layer in getattr(model, "layers", []):
+        try:
+            params = int(layer.count_params())
+            out = tuple(d for d in layer.output.shape[1:])
+        except Exception:  # noqa: BLE001 - an unbuilt or exotic layer: show what is known
+            continue
+        flops = 0
+        kernel = getattr(layer, "kernel", None)
+        if kernel is not None and None not in out:
+            k = tuple(kernel.shape)
+            positions = 1
+            for d in out[:-1]:
+                positions *= d
+            fan_in = 1
+            for d in k[:-1]:
+                fan_in *= d
+            flops = 2 * positions * fan_in * k[-1]
+        rows.append({"name": layer.name, "kind": type(layer).__name__, "output": list(out), "params": params,
+                     "flops": flops})
+    total = {"params": sum(r["params"] for r in rows), "forward_flops": sum(r["flops"] for r in rows)}
+    return rows, total
+
+
+def _torch_layers(probe: _Probe) -> tuple[list[dict], dict, list[str]]:
+    import copy
+
+    from trainfast.diagnose.cost import layer_costs
+
+    try:
+        c = layer_costs(copy.deepcopy(probe.model_ref), probe.model_input)
+    except Exception:  # noqa: BLE001 - the cost table is a bonus; the timing stands without it
+        return [], {}, []
+    rows = [{"name": l.name, "kind": l.kind, "output": list(l.output_shape or ()), "params": l.params,
+             "flops": l.flops} for l in c.layers if l.params or l.flops]
+    return rows, {"params": c.params, "forward_flops": c.forward_flops, "class": type(probe.model_ref).__name__,
+                  "input_shape": list(probe.model_input)}, list(c.findings)
+

@@ -266,6 +266,109 @@ class _Watch:
         return self.partial[0] / max(self.partial[3], 1)
 
 
+@dataclass
+class _Run:
+    """A training run's moving parts, and what is done with them: an epoch of steps, the end
+    of an epoch (validation, metrics, checkpoint), reading the device (the NaN guard), saving."""
+
+    name: str
+    net: torch.nn.Module  # the model whose state is saved
+    trained: torch.nn.Module  # what the steps call: the model, compiled and/or wrapped in DDP
+    opt: torch.optim.Optimizer
+    sched: object
+    scaler: object
+    loader: Loader
+    val_loader: Loader | None
+    cfg: TrainConfig
+    speed: Speed
+    dev: torch.device
+    world: distributed.World
+    run_dir: Path
+    say: object
+    state: dict  # epoch, step, position, best, bad_epochs, partial: all a checkpoint needs to go on
+    watch: _Watch
+    log_csv: MetricsLog
+    sequence: bool
+
+    def train_epoch(self, epoch: int, interrupts: _Interrupts, progress: bool) -> dict:
+        """The steps of `epoch` from where the loader stands; the epoch's training row."""
+        from tqdm import tqdm
+
+        state, loader, speed, cfg = self.state, self.loader, self.speed, self.cfg
+        if loader.position == 0:
+            loader.set_epoch(epoch)
+        started, done_before, steps = time.perf_counter(), loader.position, len(loader)
+        bar = tqdm(total=steps, initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
+                   disable=not (progress and self.world.is_main), dynamic_ncols=True, leave=True)
+        for x, y in loader:
+            with interrupts.step():
+                loss, out = _step.forward_loss(self.trained, x, y, speed, self.dev, cfg.label_smoothing)
+                _step.backward(loss, self.scaler)
+                _step.optimizer_step(self.opt, self.scaler, cfg.clip, self.net)
+                self.sched.step()
+                state.update(step=state["step"] + 1, position=state["position"] + 1)
+                self.watch.add(loss, out, y, state["step"])
+            bar.update(1)
+            if cfg.save_every and state["step"] % cfg.save_every == 0:
+                self.save(epoch)
+            elif state["step"] % self.watch.every == 0:
+                self.check(epoch)
+            if state["step"] % self.watch.every == 0 or bar.n == steps:
+                rate = (bar.n - done_before) * speed.batch_size * self.world.size / (time.perf_counter() - started)
+                bar.set_postfix_str(f"loss {self.watch.loss:.3f}, {rate:,.0f} img/s", refresh=False)
+        self.check(epoch)
+        bar.close()
+        images = (steps - done_before) * speed.batch_size * self.world.size
+        return _epoch_row(epoch, state["partial"], self.sched, time.perf_counter() - started, images, self.world)
+
+    def end_epoch(self, epoch: int, row: dict) -> bool:
+        """Validate, log, checkpoint; True when early stopping says to stop."""
+        state = self.state
+        if self.val_loader is not None:
+            v = evaluate(self.net, self.val_loader, self.speed, self.dev, self.world)
+            row.update(val_loss=v["loss"], val_acc=v["acc"], val_seq_acc=v["seq_acc"])
+        score = row.get("val_acc", row["train_acc"])
+        improved = score > state["best"]
+        state.update(epoch=epoch + 1, position=0, partial=[0.0, 0.0, 0.0, 0.0],
+                     best=max(state["best"], score), bad_epochs=0 if improved else state["bad_epochs"] + 1)
+        self.watch.partial = state["partial"]
+        if self.world.is_main:
+            self.log_csv.add(row)
+            plot_curves(self.log_csv.rows, self.run_dir / "curves.png", self.sequence)
+        self.save(epoch, ("last.pt", "best.pt") if improved else ("last.pt",))
+        self.say(_epoch_line(row, self.sequence))
+        return bool(self.cfg.patience and state["bad_epochs"] >= self.cfg.patience)
+
+    def check(self, epoch: int) -> None:
+        """Read the device's sums; stop at a non-finite loss, naming its step and the last good checkpoint."""
+        found = self.watch.read(self.world)
+        self.state["partial"] = self.watch.partial
+        if found is None:
+            return
+        bad, value = found
+        steps = len(self.loader)
+        at = (f"{value} at epoch {epoch + 1}, step {bad - epoch * steps} (global step {bad})" if bad >= 0
+              else "non-finite on another process")
+        last = self.run_dir / "last.pt"
+        kept = f"The last good checkpoint is {last}" if last.is_file() else "No checkpoint was written before it"
+        raise TrainfastError(f"the loss became {at}; stopped. {kept}; try a lower --lr, --clip 1, or --precision fp32")
+
+    def save(self, epoch: int, which=("last.pt",)) -> None:
+        self.check(epoch)  # never a checkpoint of weights that went NaN
+        if not self.world.is_main:
+            return
+        # NOTE: the loader's own position counts batches it handed out; the checkpoint records
+        # the batches whose step is done, kept in `state` with the step count and the epoch.
+        state = self.state
+        ck = {"model_name": self.name, "signature": checkpoint.signature(self.net), "model": self.net.state_dict(),
+              "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+              "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+              "loader": {"seed": self.cfg.seed, "epoch": state["epoch"], "position": state["position"]},
+              "rng": checkpoint.rng_state(self.dev), "state": state}
+        for fn in which:
+            checkpoint.save(self.run_dir / fn, ck)
+
+
 def _epoch_row(epoch: int, partial: list[float], sched, seconds: float, images: int, world) -> dict:
     p = distributed.sum_all(partial, world)  # loss·images, correct items, items, images
     return {"epoch": epoch, "train_loss": p[0] / max(p[3], 1), "train_acc": p[1] / max(p[2], 1),
@@ -457,85 +560,16 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         f"{speed.label()}{f' × {world.size} processes' if world.distributed else ''}, lr {lr:g}; run dir {run_dir}")
 
     state.setdefault("position", loader.position)  # checkpoints from before it was kept in state
-    watch = _Watch(dev, state["partial"], every=READ_EVERY.get(dev.type, READ_EVERY["cuda"]))
-
-    def check(epoch: int) -> None:
-        """Read the device's sums; stop at a non-finite loss, naming its step and the last good checkpoint."""
-        found = watch.read(world)
-        state["partial"] = watch.partial
-        if found is None:
-            return
-        bad, value = found
-        at = (f"{value} at epoch {epoch + 1}, step {bad - epoch * steps_per_epoch} (global step {bad})" if bad >= 0
-              else "non-finite on another process")
-        last = run_dir / "last.pt"
-        kept = f"The last good checkpoint is {last}" if last.is_file() else "No checkpoint was written before it"
-        raise TrainfastError(f"the loss became {at}; stopped. {kept}; "
-                             f"try a lower --lr, --clip 1, or --precision fp32")
-
-    def save(epoch: int, which=("last.pt",)) -> None:
-        check(epoch)  # never a checkpoint of weights that went NaN
-        if not world.is_main:
-            return
-        # NOTE: the loader's own position counts batches it handed out; the checkpoint records
-        # the batches whose step is done, kept in `state` with the step count and the epoch.
-        position = {"seed": cfg.seed, "epoch": state["epoch"], "position": state["position"]}
-        ck = {"model_name": name, "signature": checkpoint.signature(net), "model": net.state_dict(),
-              "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-              "scaler": scaler.state_dict() if scaler is not None else None,
-              "loader": position, "rng": checkpoint.rng_state(dev), "state": state}
-        for fn in which:
-            checkpoint.save(run_dir / fn, ck)
-
-    from tqdm import tqdm
-
-    stopped = "finished"
-    epoch = state["epoch"]
+    run = _Run(name, net, trained, opt, sched, scaler, loader, val_loader, cfg, speed, dev, world, run_dir, say,
+               state, _Watch(dev, state["partial"], every=READ_EVERY.get(dev.type, READ_EVERY["cuda"])), log_csv,
+               train_pk.sequence_length is not None)
+    stopped, epoch = "finished", state["epoch"]
     interrupts = _Interrupts(world.is_main)
     try:
         with interrupts:
             while state["epoch"] < cfg.epochs:
                 epoch = state["epoch"]
-                if loader.position == 0:
-                    loader.set_epoch(epoch)
-                started, done_before = time.perf_counter(), loader.position
-                bar = tqdm(total=steps_per_epoch, initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                           unit="step", disable=not (progress and world.is_main), dynamic_ncols=True, leave=True)
-                for x, y in loader:
-                    with interrupts.step():
-                        loss, out = _step.forward_loss(trained, x, y, speed, dev, cfg.label_smoothing)
-                        _step.backward(loss, scaler)
-                        _step.optimizer_step(opt, scaler, cfg.clip, net)
-                        sched.step()
-                        state.update(step=state["step"] + 1, position=state["position"] + 1)
-                        watch.add(loss, out, y, state["step"])
-                    bar.update(1)
-                    if cfg.save_every and state["step"] % cfg.save_every == 0:
-                        save(epoch)
-                    elif state["step"] % watch.every == 0:
-                        check(epoch)
-                    if state["step"] % watch.every == 0 or bar.n == steps_per_epoch:
-                        rate = (bar.n - done_before) * speed.batch_size * world.size / (time.perf_counter() - started)
-                        bar.set_postfix_str(f"loss {watch.loss:.3f}, {rate:,.0f} img/s", refresh=False)
-                check(epoch)
-                bar.close()
-                seconds = time.perf_counter() - started
-                row = _epoch_row(epoch, state["partial"], sched, seconds,
-                                 (steps_per_epoch - done_before) * speed.batch_size * world.size, world)
-                if val_loader is not None:
-                    v = evaluate(net, val_loader, speed, dev, world)
-                    row.update(val_loss=v["loss"], val_acc=v["acc"], val_seq_acc=v["seq_acc"])
-                score = row.get("val_acc", row["train_acc"])
-                improved = score > state["best"]
-                state.update(epoch=epoch + 1, position=0, partial=[0.0, 0.0, 0.0, 0.0],
-                             best=max(state["best"], score), bad_epochs=0 if improved else state["bad_epochs"] + 1)
-                watch.partial = state["partial"]
-                if world.is_main:
-                    log_csv.add(row)
-                    plot_curves(log_csv.rows, run_dir / "curves.png", train_pk.sequence_length is not None)
-                save(epoch, ("last.pt", "best.pt") if improved else ("last.pt",))
-                say(_epoch_line(row, train_pk.sequence_length))
-                if cfg.patience and state["bad_epochs"] >= cfg.patience:
+                if run.end_epoch(epoch, run.train_epoch(epoch, interrupts, progress)):
                     stopped = "early-stopped"
                     say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
                     break
@@ -543,7 +577,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         if interrupts.torn:  # a second Ctrl-C mid-step: weights and position may disagree; keep the last save
             say(f"\ninterrupted mid-step; the last checkpoint {run_dir / 'last.pt'} is from before it")
         else:
-            save(epoch)
+            run.save(epoch)
             say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
         raise
     finally:

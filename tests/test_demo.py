@@ -17,3 +17,13 @@ def test_quick_demo_end_to_end(tmp_path, capsys, device):
     assert page.count("<svg") >= 3 and page.count("data:image/png;base64") == 2
     err = capsys.readouterr().err
     assert "held-out plates:" in err and "VERDICT" in err
+
+
+def test_the_demo_writes_only_into_a_folder_of_its_own(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    (mine / "run").mkdir(parents=True)
+    (mine / "run" / "thesis.tex").write_text("years of work")
+    assert main(["demo", "--quick", "--out", str(mine), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "is not a folder the demo made" in err and err.count("\n") == 1
+    assert (mine / "run" / "thesis.tex").read_text() == "years of work" and sorted(p.name for p in mine.iterdir()) == ["run"]

@@ -34,6 +34,7 @@ from trainfast.data.sources import from_csv
 from trainfast.datasets.plates import make_plates
 from trainfast.diagnose import doctor
 from trainfast.diagnose.report import layer_chart, step_chart
+from trainfast.errors import TrainfastError
 from trainfast.train import fit
 from trainfast.train.trainer import evaluate
 from trainfast.train.distributed import World
@@ -66,10 +67,26 @@ def _reader() -> str:
     return "skimage" if importlib.util.find_spec("skimage") else "pil"
 
 
+_MARK = ".trainfast-demo"  # in a folder the demo made: it may replace what it wrote there
+
+
+def _demo_folder(out: Path) -> Path:
+    """OUT, created with the demo's mark; an existing folder only if it is empty or a demo's."""
+    ours = (out / _MARK).is_file() or (out / "plates-train" / "labels.csv").is_file()  # or an older demo's
+    if out.exists() and not ours and (not out.is_dir() or any(out.iterdir())):
+        raise TrainfastError(f"{out}: exists and is not a folder the demo made; the demo writes and replaces files "
+                             "in its --out folder, so give it a new or empty one")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / _MARK).write_text("made by trainfast demo; it may replace what it wrote here\n")
+    except OSError as e:
+        raise TrainfastError(f"{out}: cannot write here ({e.strerror or e})") from None
+    return out
+
+
 def run_demo(cfg: DemoConfig, log=print) -> dict:
     """Run the demo; returns the summary (also written to OUT/summary.json)."""
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _demo_folder(Path(cfg.out))
     stages: dict[str, float] = {}
 
     @contextmanager

@@ -29,3 +29,14 @@ def test_csv_is_what_a_user_would_have(tmp_path):
     assert len({r["plate"] for r in rows}) == 25
     src = from_csv(out / "labels.csv", label_column="plate")
     assert src.alphabet == ALPHABET and src.labels.shape == (25, 8)
+
+
+def test_make_plates_writes_only_into_a_folder_of_its_own(tmp_path, capsys):
+    from trainfast.cli import main
+
+    (tmp_path / "labels.csv").write_text("mine,not yours\n")
+    assert main(["make-plates", str(tmp_path), "--count", "2"]) == 1
+    assert "does not hold plates made by trainfast" in capsys.readouterr().err
+    assert (tmp_path / "labels.csv").read_text() == "mine,not yours\n"
+    assert main(["make-plates", str(tmp_path / "new"), "--count", "2", "--workers", "1"]) == 0
+    assert main(["make-plates", str(tmp_path / "new"), "--count", "3", "--workers", "1"]) == 0  # its own: again

@@ -400,7 +400,14 @@ def _cmd_make_plates(a) -> ExitStatus:
 
     if a.count < 1:
         raise TrainfastError(f"--count must be ≥ 1, not {a.count}")
-    out = make_plates(a.out, a.count, a.seed, a.workers, progress=True)
+    from pathlib import Path
+    out = Path(a.out)
+    labels = out / "labels.csv"
+    made_here = labels.is_file() and labels.read_text(errors="replace").startswith("path,plate\n")
+    if out.exists() and not made_here and (not out.is_dir() or any(out.iterdir())):
+        raise TrainfastError(f"{out}: exists and does not hold plates made by trainfast; it writes images/ and "
+                             "labels.csv there, so give it a new or empty folder")
+    out = make_plates(out, a.count, a.seed, a.workers, progress=True)
     print(f"wrote {a.count} plate photos and {out / 'labels.csv'}", file=sys.stderr)
     return ExitStatus.OK
 

@@ -132,3 +132,14 @@ def test_open_source_unknown(tmp_path):
         open_source(tmp_path / "x.txt")
     with pytest.raises(TrainfastError, match="no such file"):
         open_source(tmp_path / "missing")
+
+
+def test_a_pack_inside_a_class_folder_tree_is_not_a_class(image_folder, tmp_path):
+    import shutil
+
+    import trainfast
+    from trainfast.data.sources import from_folder
+
+    pk = trainfast.pack(image_folder, tmp_path / "p", size=(8, 8), progress=False)
+    shutil.copytree(pk.path, image_folder / "old.pack")  # where an older trainfast let OUT be
+    assert from_folder(image_folder).classes == ["cat", "dog"]

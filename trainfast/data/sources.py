@@ -93,7 +93,9 @@ def from_folder(root) -> Source:
     Class names are the subfolder names, sorted; images are found recursively inside them.
     """
     root = Path(root)
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    # A pack inside the folder (an older trainfast allowed OUT there) is not a class.
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")
+                     and not ((d / "meta.json").is_file() and (d / "labels.npy").is_file()))
     keys, labels = [], []
     for index, name in enumerate(classes):
         for dirpath, dirnames, filenames in os.walk(root / name, onerror=_unreadable_folder):

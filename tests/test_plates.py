@@ -40,3 +40,12 @@ def test_make_plates_writes_only_into_a_folder_of_its_own(tmp_path, capsys):
     assert (tmp_path / "labels.csv").read_text() == "mine,not yours\n"
     assert main(["make-plates", str(tmp_path / "new"), "--count", "2", "--workers", "1"]) == 0
     assert main(["make-plates", str(tmp_path / "new"), "--count", "3", "--workers", "1"]) == 0  # its own: again
+
+
+def test_an_interrupted_make_plates_can_be_rerun(tmp_path):
+    from trainfast.datasets.plates import make_plates
+
+    (tmp_path / "p" / "images").mkdir(parents=True)  # killed before labels.csv was written
+    (tmp_path / "p" / "images" / "000000.jpg").write_bytes(b"half")
+    make_plates(tmp_path / "p", 2, workers=1)
+    assert (tmp_path / "p" / "labels.csv").read_text().startswith("path,plate\n")

@@ -349,7 +349,7 @@ def _cmd_train(a) -> ExitStatus:
                                     ("threads", a.threads or None), ("rewrites", a.rewrites)) if v is not None}
         result = fit(a.model, a.pack, a.val, config=cfg, pin=pinned, tune=not a.no_tune, augment=aug,
                      device=a.device, run_dir=a.run_dir, progress=not a.quiet, log=log)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
+    if _rank0():  # under torchrun, rank 0 speaks for all
         log(f"best validation accuracy {result.best:.2%} ({result.stopped}); outputs in {result.run_dir}")
     return ExitStatus.OK
 
@@ -400,14 +400,7 @@ def _cmd_make_plates(a) -> ExitStatus:
 
     if a.count < 1:
         raise TrainfastError(f"--count must be ≥ 1, not {a.count}")
-    from pathlib import Path
-    out = Path(a.out)
-    labels = out / "labels.csv"
-    made_here = labels.is_file() and labels.read_text(errors="replace").startswith("path,plate\n")
-    if out.exists() and not made_here and (not out.is_dir() or any(out.iterdir())):
-        raise TrainfastError(f"{out}: exists and does not hold plates made by trainfast; it writes images/ and "
-                             "labels.csv there, so give it a new or empty folder")
-    out = make_plates(out, a.count, a.seed, a.workers, progress=True)
+    out = make_plates(a.out, a.count, a.seed, a.workers, progress=True)
     print(f"wrote {a.count} plate photos and {out / 'labels.csv'}", file=sys.stderr)
     return ExitStatus.OK
 
@@ -430,12 +423,17 @@ def _say_error(line: str) -> None:
             pass
 
 
+def _rank0() -> bool:
+    """This process is rank 0 of torchrun's, or there is no torchrun."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _first_to_fail(error_file: str | None) -> bool:
     """Not under torchrun: True. Under it: whether this process is the first of this machine's
     to fail, by an exclusive marker in the folder of this attempt's error files
     (<log_dir>/attempt_N/<local_rank>/error.json)."""
     if not error_file:
-        return os.environ.get("RANK", "0") == "0"
+        return _rank0()
     from pathlib import Path
     try:
         os.close(os.open(Path(error_file).parent.parent / "trainfast-error-said", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -443,7 +441,7 @@ def _first_to_fail(error_file: str | None) -> bool:
     except FileExistsError:
         return False
     except OSError:
-        return os.environ.get("RANK", "0") == "0"
+        return _rank0()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw, ImageFilter, ImageFont
 
+from trainfast.errors import TrainfastError
+
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 LENGTH = 8
 _FONTS = ("DejaVuSans-Bold.ttf", "DejaVuSansMono-Bold.ttf", "DejaVuSans.ttf", "DejaVuSerif-Bold.ttf",
@@ -144,6 +146,17 @@ def _render_range(args) -> list[str]:
     return texts
 
 
+def _check_out(out: Path) -> None:
+    """OUT must be new, empty, or plates made here before (a whole set, or the images/ of an
+    interrupted one): the files written there replace any of the same names."""
+    labels = out / "labels.csv"
+    ours = (labels.is_file() and labels.read_text(errors="replace").startswith("path,plate\n")) or \
+        (out.is_dir() and [p.name for p in out.iterdir()] == ["images"])
+    if out.exists() and not ours and (not out.is_dir() or any(out.iterdir())):
+        raise TrainfastError(f"{out}: exists and does not hold plates made by trainfast; it writes images/ and "
+                             "labels.csv there, so give it a new or empty folder")
+
+
 def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progress: bool = False) -> Path:
     """Write `count` plate photos to out/images/ and out/labels.csv (path,plate).
 
@@ -153,6 +166,7 @@ def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progres
     from trainfast.hardware import usable_cores  # NOTE: datasets may ask how many cores there are
 
     out = Path(out)
+    _check_out(out)
     images_dir = out / "images"
     images_dir.mkdir(parents=True, exist_ok=True)
     workers = workers or usable_cores()

@@ -193,11 +193,8 @@ def _same_pack(pk: Pack, recorded, what: str) -> None:
                              f"{recorded['count']} images); resume with that pack")
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
-    if resume:
-        if not (run_dir / "config.json").is_file():
-            raise TrainfastError(f"{run_dir}: not a run directory to resume (no config.json)")
-        return
+def _prepare_run_dir(run_dir: Path) -> None:
+    """A new run's directory: created, or empty; refused if it holds anything."""
     if run_dir.exists() and any(run_dir.iterdir()):
         raise TrainfastError(f"{run_dir}: exists and is not empty; choose another --run-dir or --resume it")
     try:
@@ -466,15 +463,19 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
     if batch_size is not None:
         pin = {**(pin or {}), "batch_size": batch_size}
     _check_config(cfg)
+    saved = None
     if resume:
         if not run_dir:
             raise TrainfastError("resume=True needs the run_dir to resume")
-        cfg = TrainConfig(**read_run_config(run_dir)["train"])
+        saved = read_run_config(run_dir)
+        cfg = TrainConfig(**saved["train"])
     with _determinism(cfg.deterministic):
-        return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, resume, tune, progress, log)
+        return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, tune, progress, log)
 
 
-def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, resume, tune, progress, log):
+def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, saved, tune, progress, log):
+    """fit, after its arguments are read; `saved` is the run's config.json when resuming."""
+    resume = saved is not None
     torch.manual_seed(cfg.seed)  # before the model is built: its initial weights follow the seed
     net, name = _model_and_name(model)
     try:
@@ -490,13 +491,12 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     dev = world.device
     say = log if world.is_main else (lambda *a, **k: None)
     run_dir = Path(run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if world.is_main:
-        _prepare_run_dir(run_dir, resume)
+    if world.is_main and not resume:
+        _prepare_run_dir(run_dir)
     distributed.barrier(world)
 
     tune_table = []
     if resume:
-        saved = read_run_config(run_dir)
         _same_pack(train_pk, saved["train_pack"], "training")
         if val_pk is not None:
             _same_pack(val_pk, saved.get("val_pack"), "validation")

@@ -40,10 +40,13 @@ ALL = Augment(translate=2, flip=True, brightness=0.3, contrast=0.3, cutout=5)
 @pytest.mark.parametrize("dtype,augment,atol", [(torch.uint8, None, 0), (torch.uint8, GEOMETRIC, 0),
                                                 (torch.float32, None, 1e-5), (torch.float32, ALL, 1e-4),
                                                 (torch.bfloat16, ALL, 0.05)])
-def test_loader_batches_on_cuda_are_the_cpu_batches(pack, dtype, augment, atol):
-    """Same seed, same order, same augmentations: the device only changes where the work runs."""
+@pytest.mark.parametrize("resident", [True, False])
+def test_loader_batches_on_cuda_are_the_cpu_batches(pack, dtype, augment, atol, resident):
+    """Same seed, same order, same augmentations: the device only changes where the work runs,
+    whether the pack is kept on the GPU or copied batch by batch on the side stream."""
     kw = dict(batch_size=32, seed=7, dtype=dtype, augment=augment)
-    cpu_loader, gpu_loader = Loader(pack, device="cpu", **kw), Loader(pack, device="cuda", **kw)
+    cpu_loader, gpu_loader = Loader(pack, device="cpu", **kw), Loader(pack, device="cuda", resident=resident, **kw)
+    assert gpu_loader.resident == resident
     for _ in range(2):  # each pass is the next epoch: a fresh order and fresh augmentations
         cpu, gpu = list(cpu_loader), list(gpu_loader)
         assert len(cpu) == len(gpu) == 6

@@ -177,3 +177,45 @@ def test_iterating_again_after_a_break_continues_the_epoch_then_starts_the_next(
             break
     got += [y for _, y in loader] + [y for _, y in loader]
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+@pytest.mark.parametrize("dtype,augment", [(torch.uint8, None), (torch.uint8, Augment(crop_pad=2, flip=True)),
+                                           (torch.float32, Augment(translate=2, brightness=0.3, cutout=3))])
+def test_resident_pack_gives_the_host_paths_batches(pack, device, dtype, augment):
+    """Kept whole on the device or gathered by threads: same order, augmentations and values."""
+    kw = dict(batch_size=16, seed=5, dtype=dtype, augment=augment, device=device, subset=np.arange(3, 100))
+    on, off = Loader(pack, resident=True, **kw), Loader(pack, resident=False, **kw)
+    assert on.resident and not off.resident
+    for _ in range(2):  # two epochs: fresh order, fresh augmentations
+        a, b = list(on), list(off)
+        assert len(a) == len(b) == 6
+        for (xa, ya), (xb, yb) in zip(a, b):
+            assert xa.device.type == device and xa.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert torch.equal(on.batch(3, epoch=1)[0], a[3][0])
+    on.set_epoch(4)
+    it = iter(on)
+    next(it)
+    state = on.state_dict()
+    rest = [x for x, _ in it]
+    again = Loader(pack, resident=True, **kw)
+    again.load_state_dict(state)
+    assert all(torch.equal(p, q) for p, q in zip(rest, [x for x, _ in again])) and len(rest) == 5
+
+
+def test_resident_is_chosen_by_device_and_memory(pack, tmp_path, image_folder, monkeypatch, device):
+    from trainfast.data import loader as loader_mod
+    auto = Loader(pack, batch_size=8, device=device)
+    assert auto.resident == (device == "cuda")  # on the CPU the threaded host path is the default
+    a, b = Loader(pack, batch_size=8, device=device, resident=True), Loader(pack, batch_size=4, device=device, resident=True)
+    assert a._on_device is b._on_device  # one upload per pack and device
+    monkeypatch.setattr(loader_mod, "free_memory", lambda dev: pack.images.nbytes)  # fits, but not in half
+    loader_mod._uploaded.clear()
+    assert not Loader(pack, batch_size=8, device=device).resident
+    monkeypatch.setattr(loader_mod, "free_memory", lambda dev: pack.images.nbytes // 2)
+    with pytest.raises(TrainfastError, match=r"resident=True.*GiB free"):
+        Loader(pack, batch_size=8, device=device, resident=True)
+    jpg = trainfast.pack(image_folder, tmp_path / "j", size=(16, 16), encoding="jpeg", progress=False)
+    with pytest.raises(TrainfastError, match="jpeg pack"):
+        Loader(jpg, batch_size=8, device=device, resident=True)
+    assert not Loader(jpg, batch_size=8, device=device).resident

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import trainfast
-from trainfast.diagnose.timing import step_breakdown
+from trainfast.diagnose.timing import step_breakdown, throughput
 from trainfast.errors import TrainfastError
 
 
@@ -63,3 +63,22 @@ def test_data_too_small_for_steps():
 def test_reiterable_data_is_restarted():
     t = step_breakdown(_net(), SlowDecode(per_item=0, n=3), device=torch.device("cpu"), steps=6, warmup=1)
     assert t.steps == 6
+
+
+def test_throughput_trains_back_to_back_and_counts_only_the_timed_steps(device):
+    """Warm-up steps are not timed; the timed ones are issued with one synchronisation at the end."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    net(torch.zeros(1, 3, 8, 8))
+    before = [p.detach().clone() for p in net.parameters()]
+    seen = []
+
+    def data():
+        for i in range(100):
+            seen.append(i)
+            yield torch.rand(6, 3, 8, 8), torch.randint(0, 2, (6,))
+
+    ticks = iter([10.0, 12.0])  # the clock is read twice: after the warm-up, and at the end
+    rate = throughput(net, data(), device=torch.device(device), steps=5, warmup=2, clock=lambda: next(ticks))
+    assert rate == 5 * 6 / 2.0 and len(seen) == 7
+    assert any(not torch.equal(a, b.cpu()) for a, b in zip(before, net.parameters()))

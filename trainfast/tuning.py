@@ -30,7 +30,7 @@ import torch
 from trainfast import hardware
 from trainfast import step as _step
 from trainfast.config import Speed
-from trainfast.diagnose.timing import step_breakdown, synthetic_batches
+from trainfast.diagnose.timing import step_breakdown, synthetic_batches, throughput
 from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
 
@@ -97,8 +97,9 @@ def _median(trials: list[Trial]) -> float:
 def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5, warmup: int = 2,
                   min_seconds: float = MIN_SECONDS) -> Trial:
     """Time training steps at `speed` on in-memory batches, after `warmup` of them: `steps`
-    steps, or more where those would span less than `min_seconds` (at most MAX_STEPS).
-    Also the first batch's loss, from the model's own weights."""
+    steps, or more where those would span less than `min_seconds` (at most MAX_STEPS), issued
+    back to back as training issues them (timing.throughput). Also the first batch's loss,
+    from the model's own weights."""
     net = copy.deepcopy(model)
     data = synthetic_batches(shape, out_shape, speed.batch_size, device, n=2)
     compile_s = 0.0
@@ -116,7 +117,7 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         probe = step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=warmup, optimizer=opt)
         n = max(steps, min(MAX_STEPS, math.ceil(min_seconds / max(probe.step, 1e-9))))
-        rate = step_breakdown(net, data, device=device, speed=speed, steps=n, warmup=0, optimizer=opt).images_per_s
+        rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=1, optimizer=opt)
     except torch.cuda.OutOfMemoryError:
         return Trial(speed, None, note="out of memory")
     except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped, with the reason

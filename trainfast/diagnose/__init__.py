@@ -28,7 +28,7 @@ from trainfast.data.loader import Loader
 from trainfast.data.naive import PerImageBatches
 from trainfast.data.sources import Source, open_source
 from trainfast.diagnose.cost import ModelCost, layer_costs
-from trainfast.diagnose.timing import StepTimes, step_breakdown, synthetic_batches
+from trainfast.diagnose.timing import StepTimes, step_breakdown, synthetic_batches, throughput
 from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, roofline, verdict
 from trainfast.errors import TrainfastError
 
@@ -161,6 +161,11 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
     log(f"timing {steps} training steps on {described}…")
     with hardware.OtherLoad() as load:
         times = step_breakdown(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=warmup)
+        if dev.type == "cuda":  # per-step synchronisation hides the overlap training has
+            try:
+                times.steady = throughput(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=2)
+            except TrainfastError:  # one-shot data, used up by the breakdown
+                pass
         roof = roofline(cost, times, peaks, speed.precision)
         found = verdict(times, roof)
         report = Report(name, described, hardware.describe(dev), peaks, cost, speed, times, roof, found)
@@ -178,7 +183,7 @@ def _compute_rate(net, shape, out_shape, speed: Speed, dev) -> float | None:
     """images/s of the compute side alone (batches already on the device), or None on failure."""
     data = synthetic_batches(shape, out_shape, speed.batch_size, dev)
     try:
-        return step_breakdown(copy.deepcopy(net), data, device=dev, speed=speed, steps=6, warmup=2).images_per_s
+        return throughput(copy.deepcopy(net), data, device=dev, speed=speed, steps=6, warmup=2)
     except (RuntimeError, torch.cuda.OutOfMemoryError):
         return None
 

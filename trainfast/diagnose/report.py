@@ -31,8 +31,10 @@ def render_text(r) -> str:
     lines.append(f"VERDICT  {r.verdict.sentence}")
     if r.load_warning:
         lines.append(f"WARNING  {r.load_warning}")
-    compute_rate = t.batch_size / max(t.step - t.data, 1e-12)
-    lines.append(f"         {t.images_per_s:,.0f} images/s now; the compute side alone runs at {compute_rate:,.0f} images/s")
+    compute_rate = t.images_per_s * t.step / max(t.step - t.data, 1e-12)  # the same rate without the data wait
+    how = " (steps back to back; the stage times below synchronise every step)" if t.steady else ""
+    lines.append(f"         {t.images_per_s:,.0f} images/s now{how}; the compute side alone runs at "
+                 f"{compute_rate:,.0f} images/s")
     lines.append(f"         roofline {roof.bound_s * 1e3:.3f} ms/image vs {roof.measured_s * 1e3:.3f} ms measured "
                  f"({roof.share_of_peak:.1%} of the {roof.dtype} peak)")
     lines += ["", "Where the time goes (median per step)"]

@@ -122,3 +122,62 @@ def test_the_final_times_the_winners_untried_neighbours(monkeypatch):
     r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, measure=measure, retune=True, log=lambda m: None)
     assert (r.best.batch_size, r.best.rewrites) == (128, ())
     assert seen.count("fp32 + batch 128") == 3  # untimed before the final: three timings there
+
+
+def _launch_bound_gpu(tried):
+    """A fake GPU clock: each step pays a fixed launch cost (cut tenfold by CUDA graphs) plus a
+    cost per image that falls with precision and channels_last; over 4096 images is out of memory."""
+    per_image = {"fp32": 10e-6, "tf32": 6e-6, "bf16": 3e-6, "fp16": 3.1e-6}
+
+    def measure(model, shape, out, speed, device):
+        tried.append(speed)
+        if speed.batch_size > 4096:
+            return Trial(speed, None, note="out of memory")
+        launch = 0.2e-3 if speed.compile else 2e-3
+        step = launch + speed.batch_size * per_image[speed.precision] * (0.7 if speed.channels_last else 1.0)
+        return Trial(speed, speed.batch_size / step, 2.0, compile_s=30.0 if speed.compile else 0.0)
+    return measure
+
+
+def _fake_gpu(monkeypatch):
+    monkeypatch.setattr("trainfast.hardware.resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr("trainfast.hardware.machine_key", lambda d: "fake launch-bound GPU")
+    monkeypatch.setattr("trainfast.hardware.fast_precisions", lambda d: ("tf32", "bf16", "fp16"))
+    monkeypatch.setattr("trainfast.step.fast_precisions", lambda d: ("tf32", "bf16", "fp16"))
+
+
+def test_on_a_launch_bound_gpu_the_search_fills_the_device_before_judging_precision(monkeypatch):
+    """At batch 64 every setting is launch-bound (bf16 + channels_last only 1.2× fp32); the
+    search first grows the batch until fp32's time per image stops falling, compares the
+    precisions there, and ends at the fast corner: bf16 + channels_last, the largest batch
+    that fits, CUDA graphs."""
+    _fake_gpu(monkeypatch)
+    tried = []
+    r = tune(_net(), (3, 8, 8), device="cuda", measure=_launch_bound_gpu(tried), retune=True, log=lambda m: None)
+    assert (r.best.precision, r.best.channels_last, r.best.batch_size, r.best.compile) == ("bf16", True, 4096, True)
+    fill = [s.batch_size for s in tried if s.precision == "fp32" and not s.channels_last][:6]
+    assert fill == [64, 128, 256, 512, 1024, 2048]  # 2048 gains < 10% over 1024: filled at 1024
+    judged = {(s.precision, s.channels_last) for s in tried if s.batch_size == 1024}
+    assert judged >= {("fp32", True), ("tf32", False), ("bf16", True), ("fp16", True)}
+    assert not any(s.precision != "fp32" and s.batch_size < 1024 for s in tried)
+
+
+def test_gpu_search_stays_under_the_callers_max_batch(monkeypatch):
+    _fake_gpu(monkeypatch)
+    tried = []
+    r = tune(_net(), (3, 8, 8), device="cuda", measure=_launch_bound_gpu(tried), max_batch=256, try_compile=False,
+             retune=True, log=lambda m: None)
+    assert max(s.batch_size for s in tried) == 256 and r.best.batch_size == 256 and r.best.precision == "bf16"
+
+
+def test_fit_bounds_the_batch_by_the_data_and_takes_compile_only_where_it_pays():
+    from trainfast.config import Speed
+    from trainfast.train.trainer import _pays, data_max_batch
+    assert (data_max_batch(1294), data_max_batch(20_000), data_max_batch(100)) == (32, 512, 8)
+    fast, plain = Speed("bf16", True, compile=True, batch_size=512), Speed("bf16", True, batch_size=512)
+    rows = [{"label": fast.label(), "images_per_s": 200.0, "compile_s": 10.0},
+            {"label": plain.label(), "images_per_s": 100.0, "compile_s": 0.0}]
+    said = []
+    assert _pays(fast, rows, 1_000, said.append) == plain  # saves 5 s, compiles in 10
+    assert "saves" not in said[0] and "5.0 s" in said[0] and "10.0 s to compile" in said[0]
+    assert _pays(fast, rows, 10_000, said.append) == fast  # saves 50 s

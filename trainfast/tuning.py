@@ -1,7 +1,10 @@
 """`trainfast tune`: time the candidate speed settings on this machine, keep the fastest
 sound one, and cache the choice.
 
-The search is pruned, not exhaustive: (1) precision × memory format at the starting batch;
+The search is pruned, not exhaustive. (0) On CUDA, fp32 at doubling batches until the time
+per image stops falling (FILL_GAIN): the batch that fills the device, where the next steps
+are judged; below it every setting is launch-bound and they all look alike. (1) precision
+(fp32, bf16; on CUDA also tf32 and fp16) × memory format at the starting batch;
 (2) the exact rewrite passes (trainfast.models.rewrite) on the winner, all together;
 (3) batch sizes, powers of two, with the winner so far, until memory runs out or two
 doublings in a row are slower, then the rewrites once more at the new batch if they lost at
@@ -9,10 +12,12 @@ the first; (4) CPU threads, if torch uses fewer than the physical cores; (5) a f
 the three fastest so far and the winner's neighbours (batch ×2 and ÷2, rewrites on/off),
 timed round-robin twice more, so that a slow spell of a shared machine falls on all of them;
 the best median of its timings wins, so that one lucky timing does not; (6) torch.compile
-of the winner (its compile time reported apart). A candidate counts only if its loss on the
-same first batch, from the same weights, is finite and within 5% of fp32's. Each timing
-runs at least `steps` steps and at least `min_seconds` of them, so that small, fast steps
-are not timed over a few milliseconds.
+of the winner (its compile time reported apart; on CUDA with CUDA graphs). A candidate
+counts only if its loss on the same first batch, from the same weights, is finite and
+within 5% of fp32's. Each timing
+runs at least `steps` steps and at least `min_seconds` of them, issued back to back and
+synchronised once, as training issues them, so that small, fast steps are not timed over a
+few milliseconds. On CUDA the trials use cudnn.benchmark and a fused SGD, as fit does.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
 FINAL_ROUNDS = 2  # extra round-robin timings of each finalist
 MIN_SECONDS = 0.8  # the least time one timing spans
 MAX_STEPS = 60
+MAX_BATCH = {"cpu": 512, "cuda": 8192}  # the largest batch tried unless the caller bounds it
+FILL_GAIN = 1.10  # CUDA: a doubling of the batch that gains less than this has filled the device
 _DEFAULT_THREADS = torch.get_num_threads()  # restored after a trial that pins threads
 
 
@@ -111,10 +118,10 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
         net.train()
         if speed.compile:
             t = time.perf_counter()
-            net = torch.compile(net)
+            net = _step.compile_model(net, device)
             step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=0)
             compile_s = time.perf_counter() - t
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=device.type == "cuda" or None)
         probe = step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=warmup, optimizer=opt)
         n = max(steps, min(MAX_STEPS, math.ceil(min_seconds / max(probe.step, 1e-9))))
         rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=1, optimizer=opt)
@@ -160,14 +167,28 @@ def _neighbours(speed: Speed, *, pinned_batch, max_batch: int, try_rewrites: boo
     return near
 
 
+def _fill(run, batch: int, max_batch: int) -> Trial:
+    """CUDA: fp32 at doubling batches from `batch` until a doubling gains less than FILL_GAIN;
+    the trial of the last batch that gained. Below it every setting is bound by kernel launches,
+    not by arithmetic, and precision and memory format cannot show what they are worth."""
+    best = run(Speed("fp32", False, batch_size=batch))
+    while best.images_per_s and best.speed.batch_size * 2 <= max_batch:
+        t = run(Speed("fp32", False, batch_size=best.speed.batch_size * 2))
+        if t.images_per_s is None or t.images_per_s < best.images_per_s * FILL_GAIN:
+            break
+        best = t
+    return best
+
+
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
-         max_batch: int = 512, try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
+         max_batch: int | None = None, try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
          measure: Callable[..., Trial] | None = None, log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
     Args:
-        batch_size: pin the batch size (else start at 64 and search powers of two).
-        max_batch: the largest batch tried.
+        batch_size: pin the batch size (else start at 64, or less than max_batch, and search
+            powers of two).
+        max_batch: the largest batch tried (default MAX_BATCH[device type]).
         try_compile: include torch.compile of the winner (slow to compile on CPU).
         try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
         measure: replaces measure_trial (tests inject a fake clock here).
@@ -176,8 +197,9 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         dev = hardware.resolve_device(device)
     except ValueError as e:
         raise TrainfastError(str(e)) from None
+    max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
     started = time.perf_counter()
-    key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites))
+    key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch))
     cache = hardware.read_cache("tune.json")
     if not retune and key in cache:
         c = cache[key]
@@ -199,16 +221,22 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         log(f"  {speed.label():53s} {shown}")
         return trial
 
-    log(f"tuning on {dev}: precision × memory format{', rewrites' if try_rewrites else ''}, then batch size, "
+    cuda = dev.type == "cuda"
+    log(f"tuning on {dev}: {'the batch that fills the GPU, then ' if cuda and not batch_size else ''}"
+        f"precision × memory format{', rewrites' if try_rewrites else ''}, then batch size (up to {max_batch}), "
         f"threads{', compile' if try_compile else ''}")
-    start_batch = batch_size or 64
-    ref = run(Speed("fp32", False, batch_size=start_batch))
+    start_batch = batch_size or min(64, max_batch)
+    if cuda and not batch_size:
+        ref = _fill(run, start_batch, max_batch)
+        start_batch = ref.speed.batch_size
+    else:
+        ref = run(Speed("fp32", False, batch_size=start_batch))
     if ref.images_per_s is None:
         raise TrainfastError(f"the model does not train at all on {dev}: {ref.note}")
-    precisions = ["fp32", "bf16"] + (["fp16"] if dev.type == "cuda" else [])
+    precisions = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"]
     for p in precisions:
         for cl in (False, True):
-            if (p, cl) != ("fp32", False):
+            if (p, cl) != ("fp32", False) and (p != "tf32" or "tf32" in hardware.fast_precisions(dev)):
                 run(Speed(p, cl, batch_size=start_batch))
 
     def sound(t: Trial) -> bool:

@@ -45,10 +45,10 @@ def roofline(cost: ModelCost, times: StepTimes, peaks: dict, precision: str) -> 
     gradient written in backward (3 passes), and the weights are read twice and their
     gradients written once per step, shared over the batch.
     """
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+    dtype = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
     flops = peaks["matmul_flops"]
     peak = flops.get(dtype) or flops["float32"]
-    act_scale = 0.5 if precision != "fp32" else 1.0  # activations in 16-bit under autocast
+    act_scale = 0.5 if precision in ("bf16", "fp16") else 1.0  # activations in 16-bit under autocast
     bytes_per_image = 3 * cost.activation_bytes * act_scale + 3 * cost.param_bytes / max(times.batch_size, 1)
     compute_stage = times.copy + times.forward + times.backward + times.optimizer
     measured = compute_stage / max(times.batch_size, 1)

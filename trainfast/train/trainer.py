@@ -69,12 +69,18 @@ def check_fits(model: torch.nn.Module, pk: Pack) -> None:
                              f"{'×'.join(map(str, out))}")
 
 
-def _optimizer(params, cfg: TrainConfig, lr: float):
+def _optimizer(params, cfg: TrainConfig, lr: float, device: torch.device):
+    # NOTE: on CUDA, SGD and AdamW update all parameters in one fused kernel instead of a few
+    # launches per tensor; small CNNs on a big GPU are bound by launches. RMSprop has no fused form.
+    params = list(params)
+    fused = {"fused": True} if device.type == "cuda" else {}
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=True, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=True, weight_decay=cfg.weight_decay,
+                               **fused)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.RMSprop(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **fused)
+    return torch.optim.RMSprop(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                               foreach=device.type == "cuda")
 
 
 def lr_factor(cfg: TrainConfig, step: int, total: int) -> float:
@@ -380,15 +386,54 @@ def _epoch_line(row: dict, sequence: bool) -> str:
             f"{row['seconds']:.1f} s")
 
 
-def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say) -> tuple[Speed, list[dict]]:
-    """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user pinned."""
+MIN_STEPS_PER_EPOCH = 32
+"""tune's batch is at most the largest power of two that leaves this many optimizer steps per
+epoch (per process): a schedule needs steps to work with, not just images per second."""
+
+
+def data_max_batch(images: int) -> int:
+    """The largest batch tune may pick for `images` training images per process (≥ 8)."""
+    return max(8, 2 ** int(math.log2(max(images // MIN_STEPS_PER_EPOCH, 1))))
+
+
+def _pays(best: Speed, rows: list, planned_images: int, say) -> Speed:
+    """`best` if it is not compiled, or if its compile time is won back over the planned
+    images; else the same settings uncompiled."""
+    if not best.compile:
+        return best
+    plain = replace(best, compile=False)
+    rate = {r["label"]: r for r in rows if r["images_per_s"]}
+    fast, slow = rate.get(best.label()), rate.get(plain.label())
+    if fast is None or slow is None:
+        return best
+    saved = planned_images / slow["images_per_s"] - planned_images / fast["images_per_s"]
+    if saved > fast["compile_s"]:
+        return best
+    say(f"torch.compile left out: it would save {saved:.1f} s over this run's {planned_images:,} images "
+        f"and takes {fast['compile_s']:.1f} s to compile")
+    return plain
+
+
+def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
+           world_size: int = 1) -> tuple[Speed, list[dict]]:
+    """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
+    pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
+    torch.compile only where it pays for itself over `epochs`."""
+    from trainfast.tuning import MAX_BATCH
     from trainfast.tuning import tune as _tune
 
     h, w, c = pk.shape
-    result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"),
+    per_process = images // world_size
+    limit = min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(per_process))
+    result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"), max_batch=limit,
                    try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, log=progress_log)
     say(result.table())
-    return replace(result.best, **pin), [r.to_dict() for r in result.rows]
+    if "batch_size" not in pin:
+        say(f"batch bound by the data: at most {limit} ({per_process:,} images per process, "
+            f"≥ {MIN_STEPS_PER_EPOCH} steps per epoch)")
+    rows = [r.to_dict() for r in result.rows]
+    best = result.best if "compile" in pin else _pays(result.best, rows, per_process * epochs, say)
+    return replace(best, **pin), rows
 
 
 def _held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):
@@ -406,7 +451,7 @@ def _runnable(speed: Speed, dev: torch.device, say) -> Speed:
     GPU, resumed on a CPU) becomes the next one it can, and says so."""
     if _step.check(speed, dev) is None:
         return speed
-    for p in ("bf16", "fp32"):
+    for p in ("fp32",) if speed.precision == "tf32" else ("bf16", "fp32"):
         alt = replace(speed, precision=p)
         if _step.check(alt, dev) is None:
             say(f"{speed.precision} cannot run on {dev}: resuming in {p}")
@@ -505,8 +550,11 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         pin = {"batch_size": saved["user_batch_size"]}
     pin = dict(pin or {})
     user_batch = pin.get("batch_size") or (speed.batch_size if speed else Speed().batch_size)
+    val_pk, train_idx, val_idx = _held_out(train_pk, val_pk, cfg)
     if speed is None:
-        speed, tune_table = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say) if tune \
+        n_train = len(train_pk) if train_idx is None else len(train_idx)
+        speed, tune_table = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
+                                   images=n_train, epochs=cfg.epochs, world_size=world.size) if tune \
             else (Speed(**pin), [])
     reason = _step.check(speed, dev)
     if reason:
@@ -515,7 +563,6 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
 
     torch.manual_seed(cfg.seed)
     net = _step.prepare(net, speed, dev)
-    val_pk, train_idx, val_idx = _held_out(train_pk, val_pk, cfg)
     loader = Loader(train_pk, speed.batch_size, shuffle=True, seed=cfg.seed, device=dev, augment=augment,
                     rank=world.rank, world_size=world.size, subset=train_idx)
     val_loader = None if val_pk is None else Loader(val_pk, speed.batch_size, shuffle=False, drop_last=False,
@@ -527,17 +574,21 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     if cfg.lr and speed.batch_size != user_batch:
         say(f"batch size {user_batch} → {speed.batch_size} (tuned): learning rate scaled {cfg.lr:g} → {lr:g}")
     steps_per_epoch = len(loader)
-    opt = _optimizer(net.parameters(), cfg, lr)
+    opt = _optimizer(net.parameters(), cfg, lr, dev)
     sched = _scheduler(opt, cfg, cfg.epochs * steps_per_epoch, lr)
     scaler = _step.make_scaler(speed, dev)
-    trained = distributed.wrap(torch.compile(net) if speed.compile else net, world)
+    # NOTE: CUDA graphs only for one process: DDP's gradient hooks run between the graph's kernels.
+    trained = distributed.wrap(_step.compile_model(net, dev, graphs=world.size == 1) if speed.compile else net, world)
 
     log_csv = MetricsLog(run_dir / "metrics.csv")
     state = {"epoch": 0, "step": 0, "best": -1.0, "bad_epochs": 0, "partial": [0.0, 0.0, 0.0, 0.0]}
     if resume:
         ck = checkpoint.load(run_dir / "last.pt", name, net)  # on the CPU; load_state_dict moves it
         net.load_state_dict(ck["model"])
+        kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
         opt.load_state_dict(ck["optimizer"])
+        for g, k in zip(opt.param_groups, kernels):  # this device's kernels, not the saving device's
+            g.update(k)
         sched.load_state_dict(ck["scheduler"])
         if scaler is not None and ck.get("scaler"):
             scaler.load_state_dict(ck["scaler"])

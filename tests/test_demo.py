@@ -27,3 +27,18 @@ def test_the_demo_writes_only_into_a_folder_of_its_own(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is not a folder the demo made" in err and err.count("\n") == 1
     assert (mine / "run" / "thesis.tex").read_text() == "years of work" and sorted(p.name for p in mine.iterdir()) == ["run"]
+
+
+def test_the_demo_trains_at_the_recipes_batch_unless_a_larger_one_is_clearly_faster():
+    from trainfast.config import Speed
+    from trainfast.demo import _recipe_batch_unless_faster
+    from trainfast.tuning import Trial, TuneResult
+
+    def result(rate_256):
+        best = Speed("bf16", True, batch_size=256)
+        rows = [Trial(Speed("bf16", True, batch_size=64), 1000.0, 1.0), Trial(best, rate_256, 1.0)]
+        return TuneResult(best, rows)
+    said = []
+    assert _recipe_batch_unless_faster(result(1110.0), said.append).batch_size == 64  # 2 CPU cores: 1.11×
+    assert "1.11×" in said[0]
+    assert _recipe_batch_unless_faster(result(4000.0), said.append).batch_size == 256  # a GPU: 4×

@@ -4,11 +4,15 @@
    vs a memcpy of the same bytes (the physical limit) and vs FFCV's Loader on the same images;
 2. trainfast.Loader from a pack of the benchmark photos vs torch.utils.data.DataLoader over
    the JPEG folder with PIL decode + resize per item and num_workers = cores;
-3. a JPEG pack at 512×512: decode throughput with one thread and with all cores.
+3. a JPEG pack at 512×512: decode throughput with one thread and with all cores;
+4. on CUDA (--device cuda): the raw pack to the GPU, kept there (resident) and by the host
+   path, against the pinned and pageable copy of the same bytes and a DataLoader over a
+   TensorDataset with pinned memory.
 
 Medians of --runs epochs, after one warm-up epoch. Run from the repository root:
 
     python benchmarks/bench_loader.py
+    python benchmarks/bench_loader.py --device cuda --cuda-only    # section 4 alone
 """
 
 from __future__ import annotations
@@ -42,12 +46,47 @@ def memcpy_rate(images: np.ndarray, dst: np.ndarray) -> float:
     return len(images) / (time.perf_counter() - t)
 
 
-def loader_rate(loader) -> float:
+def loader_rate(loader, sync=lambda: None) -> float:
     t = time.perf_counter()
     n = 0
     for x, _ in loader:
         n += len(x)
+    sync()  # CUDA: until the last batch has arrived
     return n / (time.perf_counter() - t)
+
+
+def cuda_rows(pk, batch: int, runs: int, dev: torch.device) -> list[tuple[str, float]]:
+    """images/s of the raw pack delivered to `dev` as batches, beside copies of the same bytes."""
+    sync = torch.cuda.synchronize
+    rows = []
+    x = torch.from_numpy(np.array(pk.images[:batch]))
+
+    def copies(src, n=200):
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            src.to(dev, non_blocking=True)
+        sync()
+        return n * batch / (time.perf_counter() - t)
+    limit = _median_rate(lambda: copies(x.pin_memory()), runs)
+    rows.append(("pinned host→device copy (the limit)", limit))
+    rows.append(("pageable host→device copy", _median_rate(lambda: copies(x), runs)))
+    for resident in (True, False):
+        for dt in (torch.uint8, torch.float32, torch.bfloat16):
+            ld = trainfast.Loader(pk, batch, dtype=dt, device=dev, resident=resident)
+            name = f"Loader {'resident' if resident else f'host path, {ld.workers} workers'}, {str(dt)[6:]}"
+            rows.append((name, _median_rate(lambda ld=ld: loader_rate(ld, sync), runs)))
+    images, labels = torch.from_numpy(np.array(pk.images)), torch.from_numpy(np.array(pk.labels))
+    dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch, shuffle=True,
+                                     num_workers=min(8, usable_cores()), pin_memory=True, drop_last=True,
+                                     persistent_workers=True)
+
+    def users():  # what a user writes: float on the device, NCHW
+        for a, b in dl:
+            yield a.to(dev, non_blocking=True).permute(0, 3, 1, 2).float().div_(255), b.to(dev, non_blocking=True)
+    rows.append((f"DataLoader(TensorDataset, {dl.num_workers} workers, pinned), float",
+                 _median_rate(lambda: loader_rate(users(), sync), max(2, runs // 2))))
+    return rows
 
 
 def ffcv_rate(images: np.ndarray, labels: np.ndarray, batch: int, workers: int, tmp: Path, runs: int):
@@ -102,6 +141,8 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--photos", default="bench-data/photos")
+    p.add_argument("--device", default="cpu", help="cuda adds section 4")
+    p.add_argument("--cuda-only", action="store_true", help="only section 4")
     a = p.parse_args()
     cores = usable_cores()
     tmp = Path(tempfile.mkdtemp(prefix="tf-bench-"))
@@ -111,6 +152,14 @@ def main():
     labels = rng.integers(0, 10, a.count)
     pk = trainfast.pack((images, labels), tmp / "raw", size=(h, w), progress=False)
     mb = h * w * 3 / 1e9
+    if a.device.startswith("cuda"):
+        rows = cuda_rows(pk, a.batch, a.runs, torch.device(a.device))
+        print(f"raw pack {a.count} × {h}×{w}×3 → {torch.cuda.get_device_name(a.device)}, batch {a.batch}, "
+              f"medians of {a.runs} epochs")
+        for name, r in rows:
+            print(f"{name:52s} {r:12,.0f} images/s {r * mb:7.2f} GB/s {r / rows[0][1]:6.0%} of pinned")
+        if a.cuda_only:
+            return
 
     rows = []
     dst = np.empty(pk.images.shape, np.uint8)

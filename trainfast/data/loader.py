@@ -46,7 +46,7 @@ class _OnDevice:
         self.images, self.labels = images, labels
 
 
-_uploaded: "weakref.WeakValueDictionary[tuple, _OnDevice]" = weakref.WeakValueDictionary()
+_uploaded: weakref.WeakValueDictionary[tuple, _OnDevice] = weakref.WeakValueDictionary()
 
 
 def free_memory(device: torch.device) -> int:

@@ -167,10 +167,12 @@ def throughput(model: torch.nn.Module, data, *, device: torch.device, speed: Spe
 
 def synthetic_batches(shape, output_shape, batch_size: int, device: torch.device, n: int = 4):
     """A few random batches already on the device, for timing the compute side alone."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.rand((n, batch_size, *shape), generator=g).to(device)
+    # NOTE: drawn on the device: a large trial batch of 512² images is tens of GB, which the
+    # host would first have to fill and copy.
+    g = torch.Generator(device).manual_seed(0)
+    x = torch.rand((n, batch_size, *shape), generator=g, device=device)
     if len(output_shape) == 2:  # sequences: (L, K)
-        y = torch.randint(0, output_shape[1], (n, batch_size, output_shape[0]), generator=g).to(device)
+        y = torch.randint(0, output_shape[1], (n, batch_size, output_shape[0]), generator=g, device=device)
     else:
-        y = torch.randint(0, output_shape[0], (n, batch_size), generator=g).to(device)
+        y = torch.randint(0, output_shape[0], (n, batch_size), generator=g, device=device)
     return [(x[i], y[i]) for i in range(n)]

@@ -131,3 +131,32 @@ def test_torchrun_with_more_processes_than_gpus_ends_with_one_clear_line(digits_
                     f"{'s' if n != 1 else ''}: use --nproc_per_node {n}, or --device cpu"], r.stderr[-3000:]
     assert not re.search(r'File ".*/trainfast/', r.stderr)  # no traceback of ours; torchrun's summary quotes the line
     assert not (tmp_path / "run" / "last.pt").exists()
+
+
+def test_gpu_jpeg_decode_matches_the_cpu_decode_and_is_not_overwritten(tmp_path, image_folder):
+    """Batched nvJPEG (torchvision) against the CPU decode of the same bytes; and work queued on
+    a batch that is then dropped reads that batch's pixels, not the next decode's (torchvision
+    0.28 on an H100 wrote into memory that queued work still read)."""
+    from trainfast.data.loader import gpu_jpeg_decoder
+    if gpu_jpeg_decoder(torch.device("cuda"), 3) is None:
+        pytest.skip("torchvision ≥ 0.20 with CUDA decode is not installed")
+    jpg = trainfast.pack(image_folder, tmp_path / "j", size=(32, 32), encoding="jpeg", quality=90, progress=False)
+    kw = {"batch_size": 8, "seed": 1, "dtype": torch.uint8, "device": "cuda"}
+    gpu, cpu = Loader(jpg, decode="gpu", **kw), Loader(jpg, decode="cpu", **kw)
+    assert "nvJPEG" in gpu.describe()
+    reference = []
+    for (xg, yg), (xc, yc) in zip(gpu, cpu):  # epoch 0, synchronised after each batch
+        assert torch.equal(yg, yc)
+        diff = (xg.float() - xc.float()).abs()
+        assert diff.mean() < 2.0, diff.mean()  # IDCT and chroma upsampling differ slightly
+        reference.append(xg.double().sum())
+        torch.cuda.synchronize()
+    gpu.set_epoch(0)
+    queued = []
+    a = torch.randn(2048, 2048, device="cuda")
+    for x, _ in gpu:  # epoch 0 again, the GPU kept busy: each sum runs after the batch is dropped
+        for _ in range(4):
+            a = (a @ a).tanh_()
+        queued.append(x.double().sum())
+        del x
+    assert torch.equal(torch.stack(queued), torch.stack(reference))

@@ -98,3 +98,18 @@ def test_jpeg_round_trip_is_deterministic():
     assert encode_jpeg(img, 90) == encode_jpeg(img, 90)
     back = decode_jpeg(encode_jpeg(img, 95), 3)
     assert back.shape == img.shape
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_pack_jpeg_decode_is_pillows_decode_with_or_without_simplejpeg(monkeypatch, channels):
+    """simplejpeg (GIL released, threads scale) and the Pillow fallback give the same pixels."""
+    from trainfast.data import decode as dec
+    rng = np.random.default_rng(3)
+    img = rng.integers(0, 255, (24, 40, channels), dtype=np.uint8)
+    data = encode_jpeg(img, quality=90)
+    fast = decode_jpeg(memoryview(data), channels)
+    monkeypatch.setattr(dec, "_simplejpeg", None)
+    slow = decode_jpeg(memoryview(data), channels)
+    assert fast.shape == slow.shape == (24, 40, channels) and fast.dtype == slow.dtype == np.uint8
+    assert np.abs(fast.astype(int) - slow.astype(int)).max() <= 1
+    assert dec.jpeg_decoder_name() == "Pillow"

@@ -42,6 +42,9 @@ def test_report_json_schema(pack, device):
     assert "float32" in d["peaks"]["matmul_flops"] and d["system"]["device"].startswith(device)
     if device == "cuda":  # the GPU is named, with its measured low-precision peaks
         assert d["system"]["gpus"][0]["name"] and {"bfloat16", "float16"} & set(d["peaks"]["matmul_flops"])
+        assert "kept on cuda" in d["data"] and d["steps"]["steady"] > 0  # resident; timed back to back too
+    else:
+        assert "gathered by 2 threads" in d["data"] and d["steps"]["steady"] is None
 
 
 def test_html_holds_both_charts(pack, tmp_path):

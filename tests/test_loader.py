@@ -183,7 +183,7 @@ def test_iterating_again_after_a_break_continues_the_epoch_then_starts_the_next(
                                            (torch.float32, Augment(translate=2, brightness=0.3, cutout=3))])
 def test_resident_pack_gives_the_host_paths_batches(pack, device, dtype, augment):
     """Kept whole on the device or gathered by threads: same order, augmentations and values."""
-    kw = dict(batch_size=16, seed=5, dtype=dtype, augment=augment, device=device, subset=np.arange(3, 100))
+    kw = {"batch_size": 16, "seed": 5, "dtype": dtype, "augment": augment, "device": device, "subset": np.arange(3, 100)}
     on, off = Loader(pack, resident=True, **kw), Loader(pack, resident=False, **kw)
     assert on.resident and not off.resident
     for _ in range(2):  # two epochs: fresh order, fresh augmentations
@@ -219,3 +219,37 @@ def test_resident_is_chosen_by_device_and_memory(pack, tmp_path, image_folder, m
     with pytest.raises(TrainfastError, match="jpeg pack"):
         Loader(jpg, batch_size=8, device=device, resident=True)
     assert not Loader(jpg, batch_size=8, device=device).resident
+
+
+def test_gpu_decode_plumbing_with_an_injected_decoder(tmp_path, image_folder, monkeypatch, device):
+    """The threads hand over each image's bytes, one batched call decodes them on the device, and
+    the batches are those of the threaded CPU decode (same order, same augmentations)."""
+    from trainfast.data import loader as loader_mod
+    from trainfast.data.decode import decode_jpeg
+    jpg = trainfast.pack(image_folder, tmp_path / "j", size=(16, 16), encoding="jpeg", progress=False)
+    calls = []
+
+    def fake_decoder(dev, channels):
+        def decode(data):
+            calls.append(len(data))
+            assert all(d.dtype == torch.uint8 and d.dim() == 1 for d in data)
+            return [torch.from_numpy(decode_jpeg(d.numpy(), channels)).permute(2, 0, 1).to(dev) for d in data]
+        return decode
+    monkeypatch.setattr(loader_mod, "gpu_jpeg_decoder", fake_decoder)
+    kw = {"batch_size": 8, "seed": 2, "augment": Augment(crop_pad=2, flip=True, brightness=0.2), "device": device}
+    gpu, cpu = Loader(jpg, decode="gpu", **kw), Loader(jpg, decode="cpu", **kw)
+    assert "decoded on" in gpu.describe() and "threads" in cpu.describe()
+    a, b = list(gpu), list(cpu)
+    assert calls == [8] * len(a) and len(a) == len(b) > 1
+    assert all(torch.equal(x, y) and torch.equal(p, q) for (x, p), (y, q) in zip(a, b))
+    assert torch.equal(gpu.batch(1, epoch=0)[0], a[1][0])
+
+
+def test_decode_choice_errors(tmp_path, image_folder, pack):
+    jpg = trainfast.pack(image_folder, tmp_path / "j", size=(16, 16), encoding="jpeg", progress=False)
+    with pytest.raises(TrainfastError, match=r"decode='gpu' needs a CUDA device and torchvision"):
+        Loader(jpg, batch_size=4, device="cpu", decode="gpu")
+    with pytest.raises(TrainfastError, match="decode must be one of"):
+        Loader(jpg, batch_size=4, device="cpu", decode="nvjpeg")
+    assert Loader(jpg, batch_size=4, device="cpu").describe().startswith("JPEG decoded by")
+    assert Loader(pack, batch_size=4, device="cpu", decode="gpu").describe().startswith("raw pack")  # raw: nothing to decode

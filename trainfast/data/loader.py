@@ -6,9 +6,12 @@ Two paths, the same batches (same order, same augmentations for a seed):
   CUDA): the pack is uploaded once as uint8, and each batch is one index_select on the
   device. No host work per batch but an index slice.
 - **Host**: worker threads gather each batch with one np.take from the memory-mapped NHWC
-  array (JPEG packs decode in the same threads; Pillow releases the GIL), into pinned memory
-  on CUDA. On CUDA the copy to the device runs on a side stream one batch ahead, so that it
-  overlaps the step that uses the batch before.
+  array (JPEG packs decode in the same threads, with the GIL released: see decode_jpeg),
+  into pinned memory on CUDA. On CUDA the copy to the device runs on a side stream one batch
+  ahead, so that it overlaps the step that uses the batch before.
+- **GPU decode** (JPEG packs on CUDA with torchvision ≥ 0.20: `pip install trainfast[gpu]`):
+  the threads only slice out each image's bytes; one batched nvJPEG call decodes the batch
+  on the device.
 
 Then the batch is augmented on the device as whole-batch ops and converted;
 `permute(0, 3, 1, 2)` of the NHWC batch is already NCHW in channels_last memory, so no
@@ -28,7 +31,7 @@ import torch
 
 from trainfast.config import Augment
 from trainfast.data import augment as _augment
-from trainfast.data.decode import decode_jpeg
+from trainfast.data.decode import decode_jpeg, jpeg_decoder_name
 from trainfast.data.format import Pack
 from trainfast.errors import TrainfastError
 from trainfast.hardware import resolve_device, usable_cores
@@ -47,6 +50,33 @@ class _OnDevice:
 
 
 _uploaded: weakref.WeakValueDictionary[tuple, _OnDevice] = weakref.WeakValueDictionary()
+
+DECODE = ("auto", "cpu", "gpu")
+
+
+def gpu_jpeg_decoder(device: torch.device, channels: int):
+    """A function list[uint8 byte tensors] → list[(C, H, W) uint8 on `device`]: torchvision's
+    batched nvJPEG decode; None where it cannot run (not CUDA, no torchvision, one older than 0.20,
+    which decodes one image per call)."""
+    if device.type != "cuda":
+        return None
+    try:
+        import torchvision
+        from torchvision.io import ImageReadMode
+        from torchvision.io import decode_jpeg as tv_decode
+    except Exception:  # noqa: BLE001 - absent, or built for another torch: the CPU decodes
+        return None
+    if tuple(int(v) for v in torchvision.__version__.split(".")[:2]) < (0, 20):
+        return None
+    mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
+
+    def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
+        # NOTE: torchvision 0.28's batched decode on an H100 wrote into memory that work queued
+        # on the caller's stream still read (corrupted batches). Waiting for that work first
+        # costs a little overlap and rules it out.
+        torch.cuda.current_stream(device).synchronize()
+        return tv_decode(data, mode=mode, device=device)
+    return decode
 
 
 def free_memory(device: torch.device) -> int:
@@ -94,6 +124,8 @@ class Loader:
         workers: gathering/decoding threads (default: 2 for raw packs, cores for JPEG).
         prefetch: batches prepared ahead (default: workers + 2).
         subset: draw only from these pack indices (e.g. a held-out split).
+        decode: JPEG packs: "gpu" (batched nvJPEG; needs CUDA and torchvision ≥ 0.20), "cpu"
+            (worker threads), or "auto": the GPU where it can, else the CPU.
         resident: keep the whole (raw) pack on the device and gather batches there. None:
             on CUDA when it takes at most RESIDENT_SHARE of the free device memory, off on
             the CPU (where the threaded host path measured as fast). True forces it (an
@@ -111,7 +143,7 @@ class Loader:
                  seed: int = 0, device=None, dtype: torch.dtype = torch.float32, normalize: bool = True,
                  augment: Augment | None = None, rank: int = 0, world_size: int = 1,
                  workers: int | None = None, prefetch: int | None = None, subset=None,
-                 resident: bool | None = None):
+                 resident: bool | None = None, decode: str = "auto"):
         self.pack = pack if isinstance(pack, Pack) else Pack(Path(pack))
         self.subset = None if subset is None else np.asarray(subset, dtype=np.int64)
         if batch_size < 1:
@@ -154,6 +186,7 @@ class Loader:
             "inv_std": (1 / std).repeat(w).to(self.device, self._float_dtype),
         }
         self._on_device = self._resident(resident)
+        self._gpu_decode = self._decoder(decode)
         if self.samples_per_rank == 0 or len(self) == 0:
             raise TrainfastError(f"{self.pack.path}: {self.samples} images are too few for batch_size "
                                  f"{batch_size} × world_size {world_size} with drop_last")
@@ -174,6 +207,28 @@ class Loader:
                 raise TrainfastError(f"{self.pack.path}: resident=True, but the pack cannot be kept on {self.device}: {why}")
             return None
         return _upload(self.pack, self.device)
+
+    def _decoder(self, want: str):
+        """The batched GPU decode function, or None for worker-thread decoding (or a raw pack)."""
+        if want not in DECODE:
+            raise TrainfastError(f"decode must be one of {', '.join(DECODE)}, not {want!r}")
+        if self.pack.encoding != "jpeg" or want == "cpu":
+            return None
+        fn = gpu_jpeg_decoder(self.device, self.pack.shape[2])
+        if fn is None and want == "gpu":
+            raise TrainfastError(f"{self.pack.path}: decode='gpu' needs a CUDA device and torchvision ≥ 0.20 "
+                                 f"(pip install 'trainfast[gpu]'); the device is {self.device}")
+        return fn
+
+    def describe(self) -> str:
+        """How batches reach the device, in words (the doctor's report and speed.json name it)."""
+        if self.resident:
+            return f"raw pack kept on {self.device}"
+        if self._gpu_decode is not None:
+            return f"JPEG decoded on {self.device} (nvJPEG, batched)"
+        how = f"JPEG decoded by {self.workers} threads ({jpeg_decoder_name()})" if self.pack.encoding == "jpeg" \
+            else f"raw pack gathered by {self.workers} threads"
+        return how + (", copied on a side stream" if self._pin else "")
 
     @property
     def resident(self) -> bool:
@@ -256,6 +311,9 @@ class Loader:
                         break
                     inflight.append(self._pool.submit(self._gather, batch))
                 host = inflight.popleft().result()
+                if self._gpu_decode is not None:
+                    yield self._decode_on_device(*host)
+                    continue
                 if not self._pin:
                     yield host
                     continue
@@ -267,6 +325,16 @@ class Loader:
         finally:
             for f in inflight:
                 f.cancel()
+
+    def _decode_on_device(self, data: list, labels: torch.Tensor):
+        """One batched decode of the batch's JPEG bytes → uint8 (B, H, W, C) on the device."""
+        h, w, c = self.pack.shape
+        images = self._gpu_decode(data)
+        bad = next((i for i, im in enumerate(images) if tuple(im.shape) != (c, h, w)), None)
+        if bad is not None:
+            raise TrainfastError(f"{self.pack.path}: an image decoded to {tuple(images[bad].shape)}, "
+                                 f"not {(c, h, w)}: damaged pack")
+        return torch.stack(images).permute(0, 2, 3, 1).contiguous(), labels.to(self.device)
 
     def _copy_ahead(self, images: torch.Tensor, labels: torch.Tensor):
         """Queue the copy of a pinned batch on the side stream; the event marks its end. The pinned
@@ -300,11 +368,17 @@ class Loader:
         idx = self._order[1][self.batch_size * k: self.batch_size * (k + 1)]
         if self.resident:
             return self._finish(*next(self._resident_batches(idx, 0)), epoch, k)
-        return self._finish(*self._gather(idx), epoch, k)
+        host = self._gather(idx)
+        return self._finish(*(self._decode_on_device(*host) if self._gpu_decode is not None else host), epoch, k)
 
     def _gather(self, idx: np.ndarray):
-        """Host side of one batch (runs in a worker thread): uint8 (B, H, W, C) + labels."""
+        """Host side of one batch (runs in a worker thread): uint8 (B, H, W, C) + labels; for
+        GPU decode, each image's JPEG bytes instead."""
         h, w, c = self.pack.shape
+        if self._gpu_decode is not None:
+            jpeg, offsets = self.pack.jpeg, self.pack.offsets
+            data = [torch.from_numpy(np.array(jpeg[offsets[i]: offsets[i + 1]])) for i in idx]
+            return data, torch.from_numpy(self._labels[idx])
         if self._images is not None and not self._pin:
             # NOTE: a fresh numpy array, not torch.empty: numpy asks for huge pages on large
             # allocations, which made this gather 8× faster than into 4 KiB-paged memory.

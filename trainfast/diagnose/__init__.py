@@ -94,20 +94,22 @@ def _resolve_data(data, model, batch_size: int, device, seed: int):
     if isinstance(data, (str, Path)):
         p = Path(data)
         if is_pack(p):
-            pk = Pack(p)
-            return Loader(pk, batch_size, device=device, seed=seed), f"pack {p}", None, pk
-        if not p.exists():
-            raise TrainfastError(f"{data}: no such file or folder")
-        src = open_source(p)
-        if src.files is None:
-            raise TrainfastError(f"{data}: pack it first (`trainfast pack {data} OUT --size HxW`), then run the doctor on the pack")
-        shape = getattr(model, "input_shape", None)
-        if shape is None:
-            raise TrainfastError("a model without .input_shape needs a pack or an iterable of batches, not raw files")
-        return (PerImageBatches(src, shape[1:], batch_size, seed=seed),
-                f"{src.kind} {p} ({len(src)} files, decoded per image per batch)", src, None)
+            data = Pack(p)
+        else:
+            if not p.exists():
+                raise TrainfastError(f"{data}: no such file or folder")
+            src = open_source(p)
+            if src.files is None:
+                raise TrainfastError(f"{data}: pack it first (`trainfast pack {data} OUT --size HxW`), then run the "
+                                     "doctor on the pack")
+            shape = getattr(model, "input_shape", None)
+            if shape is None:
+                raise TrainfastError("a model without .input_shape needs a pack or an iterable of batches, not raw files")
+            return (PerImageBatches(src, shape[1:], batch_size, seed=seed),
+                    f"{src.kind} {p} ({len(src)} files, decoded per image per batch)", src, None)
     if isinstance(data, Pack):
-        return Loader(data, batch_size, device=device, seed=seed), f"pack {data.path}", None, data
+        loader = Loader(data, batch_size, device=device, seed=seed)
+        return loader, f"pack {data.path} ({loader.describe()})", None, data
     if isinstance(data, PerImageBatches):
         return data, (f"{data.source.kind} {data.source.origin} ({len(data.source)} files, decoded per image "
                       f"per batch with {data.reader})"), data.source, None

@@ -606,7 +606,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                  "world_size": world.size, "lr": lr, "user_batch_size": user_batch, "device": str(dev)},
                 indent=1))
             (run_dir / "speed.json").write_text(json.dumps(
-                {"speed": speed.to_dict(), "tried": tune_table, "machine": hardware.describe(dev)}, indent=1))
+                {"speed": speed.to_dict(), "tried": tune_table, "machine": hardware.describe(dev),
+                 "data_path": loader.describe()}, indent=1))
     say(f"training {name} on {train_pk.path} ({loader.samples} images, {steps_per_epoch} steps/epoch) on {dev} with "
         f"{speed.label()}{f' × {world.size} processes' if world.distributed else ''}, lr {lr:g}; run dir {run_dir}")
 

@@ -4,7 +4,9 @@
    vs a memcpy of the same bytes (the physical limit) and vs FFCV's Loader on the same images;
 2. trainfast.Loader from a pack of the benchmark photos vs torch.utils.data.DataLoader over
    the JPEG folder with PIL decode + resize per item and num_workers = cores;
-3. a JPEG pack at 512×512: decode throughput with one thread and with all cores;
+3. a JPEG pack at 512×512: decode throughput by thread count, with simplejpeg (the default:
+   the GIL released for the whole call) and with Pillow (the fallback), and on CUDA the
+   batched GPU decode (torchvision's nvJPEG) of the same pack;
 4. on CUDA (--device cuda): the raw pack to the GPU, kept there (resident) and by the host
    path, against the pinned and pageable copy of the same bytes and a DataLoader over a
    TensorDataset with pinned memory.
@@ -12,7 +14,7 @@
 Medians of --runs epochs, after one warm-up epoch. Run from the repository root:
 
     python benchmarks/bench_loader.py
-    python benchmarks/bench_loader.py --device cuda --cuda-only    # section 4 alone
+    python benchmarks/bench_loader.py --device cuda --sections cuda,jpeg
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -141,9 +144,11 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--photos", default="bench-data/photos")
-    p.add_argument("--device", default="cpu", help="cuda adds section 4")
-    p.add_argument("--cuda-only", action="store_true", help="only section 4")
+    p.add_argument("--device", default="cpu", help="cuda adds section 4 and the GPU decode")
+    p.add_argument("--sections", default="raw,photos,jpeg,cuda", help="which sections to run (comma-separated)")
+    p.add_argument("--jpeg-count", type=int, default=400, help="photos in the 512² JPEG pack")
     a = p.parse_args()
+    sections = set(a.sections.split(","))
     cores = usable_cores()
     tmp = Path(tempfile.mkdtemp(prefix="tf-bench-"))
     h, w = 64, 128
@@ -152,15 +157,27 @@ def main():
     labels = rng.integers(0, 10, a.count)
     pk = trainfast.pack((images, labels), tmp / "raw", size=(h, w), progress=False)
     mb = h * w * 3 / 1e9
-    if a.device.startswith("cuda"):
+    if a.device.startswith("cuda") and "cuda" in sections:
         rows = cuda_rows(pk, a.batch, a.runs, torch.device(a.device))
         print(f"raw pack {a.count} × {h}×{w}×3 → {torch.cuda.get_device_name(a.device)}, batch {a.batch}, "
               f"medians of {a.runs} epochs")
         for name, r in rows:
-            print(f"{name:52s} {r:12,.0f} images/s {r * mb:7.2f} GB/s {r / rows[0][1]:6.0%} of pinned")
-        if a.cuda_only:
-            return
+            print(f"{name:52s} {r:12,.0f} images/s {r * mb:7.2f} GB/s {r / rows[0][1]:6.0%} of pinned", flush=True)
+    if "raw" in sections:
+        raw_rows(pk, images, labels, a, cores, tmp, mb)
+    if sections & {"photos", "jpeg"}:
+        root = make_photos(a.photos if "photos" in sections else tmp / "photos", 2000 if "photos" in sections
+                           else a.jpeg_count)
+    if "photos" in sections:
+        photo_rows(root, a, cores, tmp, h, w)
+    if "jpeg" in sections:
+        jpeg_rows(root, tmp, cores, torch.device(a.device))
+    import shutil
+    shutil.rmtree(tmp)
 
+
+def raw_rows(pk, images, labels, a, cores, tmp, mb):
+    h, w, _ = pk.shape
     rows = []
     dst = np.empty(pk.images.shape, np.uint8)
     mem = _median_rate(lambda: memcpy_rate(pk.images, dst), a.runs)
@@ -179,7 +196,8 @@ def main():
     if ff is None:
         print("(FFCV not installed: see docs/BENCHMARKS.md for how to build it)")
 
-    root = make_photos(a.photos)
+
+def photo_rows(root, a, cores, tmp, h, w):
     files = sorted(str(f) for f in root.glob("*/*.jpg"))
     photo_pack = trainfast.pack(root, tmp / "photos", size=(h, w), progress=False)
     dl = dataloader_rate(files, (h, w), a.batch, cores)
@@ -188,15 +206,43 @@ def main():
     print(f"{'torch DataLoader, PIL decode+resize, ' + str(cores) + ' workers':48s} {dl:9.0f} images/s")
     print(f"{'trainfast.Loader from a pack':48s} {ours:9.0f} images/s  ({ours / dl:.0f}×)")
 
+
+@contextmanager
+def _pillow_decode():
+    """JPEG packs decoded by Pillow, as when simplejpeg is not installed."""
+    from trainfast.data import decode
+    kept, decode._simplejpeg = decode._simplejpeg, None
+    try:
+        yield
+    finally:
+        decode._simplejpeg = kept
+
+
+def jpeg_rows(root, tmp, cores, dev):
+    """512² JPEG pack → uint8 batches of 32: threads × decoder, and the batched GPU decode on CUDA."""
     big = trainfast.pack(root, tmp / "big", size=(512, 512), encoding="jpeg", quality=90, progress=False)
-    one = _median_rate(lambda: loader_rate(trainfast.Loader(big, 32, dtype=torch.uint8, device="cpu", workers=1)), 3)
-    allc = _median_rate(lambda: loader_rate(trainfast.Loader(big, 32, dtype=torch.uint8, device="cpu",
-                                                            workers=cores)), 3)
     size_mb = sum(f.stat().st_size for f in big.path.iterdir()) / 1e6
-    print(f"\nJPEG pack, {len(big)} images at 512×512 (q 90, {size_mb / len(big) * 1000:.0f} kB each)")
-    print(f"decode, 1 thread: {one:.0f} images/s; {cores} threads: {allc:.0f} images/s ({allc / one:.2f}×)")
-    import shutil
-    shutil.rmtree(tmp)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    print(f"\nJPEG pack, {len(big)} images at 512×512 (q 90, {size_mb / len(big) * 1000:.0f} kB each) → {dev}, "
+          f"batch 32, images/s (medians of 3 epochs)")
+    threads = sorted({1, 2, 4, 8, 16, cores} & set(range(1, max(cores, 8) + 1)))
+    print(f"{'threads':>8s} " + " ".join(f"{t:>8d}" for t in threads))
+    for name in ("simplejpeg", "Pillow"):
+        with _pillow_decode() if name == "Pillow" else nullcontext():
+            rates = [_median_rate(lambda t=t: loader_rate(trainfast.Loader(big, 32, dtype=torch.uint8, device=dev,
+                                                                           workers=t, decode="cpu"), sync), 3)
+                     for t in threads]
+        print(f"{name:>8s} " + " ".join(f"{r:8.0f}" for r in rates) +
+              f"   ({rates[-1] / rates[0]:.1f}× one thread; {rates[-1] / (rates[0] * min(threads[-1], cores)):.0%} "
+              f"of linear in cores)",
+              flush=True)
+    if dev.type == "cuda":
+        try:
+            gpu = trainfast.Loader(big, 32, dtype=torch.uint8, device=dev, decode="gpu")
+        except trainfast.TrainfastError as e:
+            print(f"GPU decode: {e}")
+            return
+        print(f"{'nvJPEG':>8s} {_median_rate(lambda: loader_rate(gpu, sync), 3):8.0f}   ({gpu.describe()})")
 
 
 if __name__ == "__main__":

@@ -137,3 +137,21 @@ def test_a_busy_machine_is_said_in_the_report(pack, monkeypatch):
     r = doctor(Tiny(), pack, batch_size=16, steps=2, warmup=1, try_fixes=False, device="cpu")
     assert r.other_load == 1.6 and r.to_dict()["other_load_cores"] == 1.6
     assert "WARNING  other processes kept 1.6 of this machine's" in r.text()
+
+
+@pytest.mark.parametrize("helps", [True, False])
+def test_loader_advice_only_where_a_measurement_says_it_helps(pack, monkeypatch, helps):
+    """'More threads' is advised only when the Loader alone measured faster with them."""
+    import trainfast.diagnose as dx
+    from trainfast.diagnose.timing import StepTimes
+    per_batch = {2: 0.010, 4: 0.004 if helps else 0.0098, 8: 0.004 if helps else 0.0101}
+    monkeypatch.setattr(dx, "_seconds_per_batch", lambda loader: per_batch[loader.workers])
+    t = StepTimes(10, 16, data=0.008, copy=0.0, forward=0.001, backward=0.001, optimizer=0.0, other=0.0,
+                  step=0.010, loss=1.0)
+    recs = dx._loader_fixes(pack, t, compute_step=0.002, dev=torch.device("cpu"), log=lambda m: None)
+    if helps:
+        assert [r.title for r in recs] == ["Give the Loader 4 threads", "Give the Loader 8 threads"]
+        assert recs[0].measured and recs[0].speedup == pytest.approx(0.010 / 0.004)
+        assert "10.0 → 4.0 ms per batch" in recs[0].evidence and "gathered by 2 threads" in recs[0].evidence
+    else:
+        assert recs == []

@@ -231,6 +231,11 @@ class Loader:
         return how + (", copied on a side stream" if self._pin else "")
 
     @property
+    def decodes_on_device(self) -> bool:
+        """Whether a JPEG pack's batches are decoded on the device (batched nvJPEG)."""
+        return self._gpu_decode is not None
+
+    @property
     def resident(self) -> bool:
         """Whether batches are gathered from a copy of the pack on the device."""
         return self._on_device is not None

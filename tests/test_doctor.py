@@ -73,6 +73,27 @@ def test_unpacked_folder_is_timed_per_image_and_pack_is_tried(image_folder):
     assert "decoded per image" in r.data
     if r.times.share("data") >= 0.05:
         assert any("Pack" in rec.title and rec.measured for rec in r.recommendations)
+    st = r.to_dict()["storage"]  # the files read apart from decoding
+    assert st["files"] > 0 and st["bytes"] > 0 and st["files_per_s"] > 0 and "files/s" in st["sentence"]
+    assert "STORAGE" in r.text()
+
+
+def test_storage_throughput_and_when_it_is_the_bottleneck(tmp_path):
+    from trainfast.diagnose.storage import read_throughput, storage_sentence
+    files = []
+    for i in range(10):
+        f = tmp_path / f"{i}.bin"
+        f.write_bytes(bytes(1000 * (i + 1)))
+        files.append(str(f))
+    ticks = iter(float(i) for i in range(100))  # each clock read is one second later
+    read = read_throughput(files + [str(tmp_path / "gone.bin")], max_files=11, max_seconds=1e9,
+                           clock=lambda: next(ticks))
+    assert read.files == 10 and read.bytes == 55_000  # the missing file is passed over
+    slow, bound = storage_sentence(read, data_s_per_image=read.seconds / read.files * 1.5)
+    assert bound and "local disk" in slow and "67% of the data time" in slow
+    fast, bound = storage_sentence(read, data_s_per_image=read.seconds / read.files * 10)
+    assert not bound and "local disk" not in fast
+    assert read_throughput([]) is None
 
 
 def test_peaks_are_cached_and_reused(monkeypatch):

@@ -28,6 +28,7 @@ from trainfast.data.loader import Loader
 from trainfast.data.naive import PerImageBatches
 from trainfast.data.sources import Source, open_source
 from trainfast.diagnose.cost import ModelCost, layer_costs
+from trainfast.diagnose.storage import read_throughput, storage_sentence
 from trainfast.diagnose.timing import StepTimes, step_breakdown, synthetic_batches, throughput
 from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, roofline, verdict
 from trainfast.errors import TrainfastError
@@ -52,6 +53,7 @@ class Report:
     seconds: float = 0.0
     other_load: float | None = None  # cores other processes kept busy while the doctor measured
     load_warning: str = ""
+    storage: dict | None = None  # files read apart from decoding (StorageRead.to_dict + sentence, bound)
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA_VERSION, "model": self.model, "data": self.data, "system": self.system,
@@ -59,7 +61,7 @@ class Report:
                 "steps": self.times.to_dict(), "roofline": self.roofline.to_dict(),
                 "verdict": self.verdict.to_dict(),
                 "recommendations": [r.to_dict() for r in self.recommendations], "seconds": self.seconds,
-                "other_load_cores": self.other_load, "load_warning": self.load_warning}
+                "other_load_cores": self.other_load, "load_warning": self.load_warning, "storage": self.storage}
 
     def text(self) -> str:
         from trainfast.diagnose.report import render_text
@@ -171,6 +173,12 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
         roof = roofline(cost, times, peaks, speed.precision)
         found = verdict(times, roof)
         report = Report(name, described, hardware.describe(dev), peaks, cost, speed, times, roof, found)
+        if src is not None and src.files:
+            log("reading a sample of the files apart from decoding (storage throughput)…")
+            read = read_throughput(src.files)
+            if read is not None:
+                sentence, bound = storage_sentence(read, times.data / max(times.batch_size, 1))
+                report.storage = {**read.to_dict(), "sentence": sentence, "storage_bound": bound}
         if try_fixes:
             log("trying the fixes on the spot…")
             report.recommendations = _recommendations(net, report, dev, src, pk, log)
@@ -211,13 +219,15 @@ def _recommendations(net, report: Report, dev, src, pk, log) -> list[Recommendat
         if src is not None:
             per_batch = _loader_seconds_per_batch(src, shape, t.batch_size, dev)
             new = compute_step + per_batch
+            storage = report.storage or {}
             recs.append(Recommendation(
-                "Pack the images once, then stream the pack",
+                "Pack the images once onto a local disk, then stream the pack" if storage.get("storage_bound")
+                else "Pack the images once, then stream the pack",
                 f"trainfast pack {src.origin} DATA.pack --size {shape[1]}x{shape[2]}\n"
                 f"trainfast train DATA.pack --model {cmd_model}",
                 t.step / new, True,
                 f"a pack of a sample of your files loads a batch in {per_batch * 1e3:.1f} ms; your pipeline "
-                f"took {t.data * 1e3:.0f} ms"))
+                f"took {t.data * 1e3:.0f} ms" + (f"; {storage['sentence']}" if storage else "")))
         elif pk is not None:
             recs += _loader_fixes(pk, t, compute_step, dev, log)
         else:

@@ -37,6 +37,8 @@ def render_text(r) -> str:
                  f"{compute_rate:,.0f} images/s")
     lines.append(f"         roofline {roof.bound_s * 1e3:.3f} ms/image vs {roof.measured_s * 1e3:.3f} ms measured "
                  f"({roof.share_of_peak:.1%} of the {roof.dtype} peak)")
+    if r.storage:
+        lines.append(f"STORAGE  {r.storage['sentence']}")
     lines += ["", "Where the time goes (median per step)"]
     for s in STAGES:
         v, share = getattr(t, s), t.share(s)

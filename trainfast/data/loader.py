@@ -138,6 +138,7 @@ class Loader:
 
     _pool: ThreadPoolExecutor | None = None
     _pool_pid = 0
+    _COPY_AHEAD = True  # CUDA host path: copy on a side stream one batch ahead (False: in _finish)
 
     def __init__(self, pack, batch_size: int = 256, *, shuffle: bool = True, drop_last: bool | None = None,
                  seed: int = 0, device=None, dtype: torch.dtype = torch.float32, normalize: bool = True,
@@ -319,7 +320,7 @@ class Loader:
                 if self._gpu_decode is not None:
                     yield self._decode_on_device(*host)
                     continue
-                if not self._pin:
+                if not self._pin or not self._COPY_AHEAD:
                     yield host
                     continue
                 staged, ahead = ahead, self._copy_ahead(*host)

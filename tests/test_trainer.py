@@ -1,9 +1,11 @@
 import csv
 import json
+import math
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -302,3 +304,33 @@ def test_the_api_as_users_spell_it(tmp_path):
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert len(r.history) == 1 and r.speed.batch_size == 32
     assert (cfg["train"]["epochs"], cfg["train"]["lr"], cfg["train"]["optimizer"]) == (1, 1e-3, "adamw")
+
+
+def test_loss_watch_names_a_stuck_and_a_diverging_run():
+    from trainfast.train.trainer import loss_watch
+    chance = math.log(36)
+    finding = "per_position predicts each of 8 positions from a single number: a width-1 bottleneck"
+    stuck = loss_watch([3.68, 3.62, chance + 0.01], 10, 36, 0.05, [finding])
+    assert "has not left chance after 3 of 10 epochs" in stuck and "ln 36 = 3.584" in stuck
+    assert "--lr 0.5" in stuck and "--lr 0.005" in stuck and "width-1 bottleneck" in stuck
+    assert loss_watch([3.68, 3.62], 10, 36, 0.05, []) is None  # too early to judge (a warm-up)
+    # the CIFAR CNN on digits with the defaults: at chance for two epochs, then it learns
+    assert all(loss_watch(ls, 15, 10, 0.025, []) is None for ls in
+               ([2.303], [2.303, 2.302], [2.303, 2.302, 2.2], [2.303, 2.302, 2.2, 1.166, 0.496]))
+    diverging = loss_watch([2.2, 2.9, 3.6], 20, 10, 0.4, [])
+    assert "diverging" in diverging and "too high: try --lr 0.04" in diverging
+    assert loss_watch([0.9, 0.5, 0.2], 3, 10, 0.1, []) is None
+
+
+def test_a_run_that_does_not_learn_is_stopped_with_the_reason(digits_packs, tmp_path, device):
+    """lr 1e-9: the loss cannot move; after 2 of 4 epochs fit stops and says why; with the watch
+    off it trains to the end."""
+    train, test = digits_packs
+    cfg = TrainConfig(epochs=4, lr=1e-9, optimizer="adamw", schedule="constant")
+    with pytest.raises(TrainfastError, match=r"has not left chance after 2 of 4 epochs.*too low \(try --lr 1e-08\)"):
+        fit("cifar_cnn", train, test, config=cfg, speed=Speed(batch_size=64), device=device, run_dir=tmp_path / "r",
+            progress=False, log=lambda *a: None)
+    assert (tmp_path / "r" / "last.pt").is_file()  # the run so far is kept
+    r = fit("cifar_cnn", train, test, config=replace(cfg, loss_watch=False), speed=Speed(batch_size=64), device=device,
+            run_dir=tmp_path / "r2", progress=False, log=lambda *a: None)
+    assert len(r.history) == 4

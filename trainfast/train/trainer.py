@@ -8,6 +8,7 @@ and a shard of the Loader, and only rank 0 prints, logs and writes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -334,6 +335,7 @@ class _Run:
         improved = score > state["best"]
         state.update(epoch=epoch + 1, position=0, partial=[0.0, 0.0, 0.0, 0.0],
                      best=max(state["best"], score), bad_epochs=0 if improved else state["bad_epochs"] + 1)
+        state.setdefault("losses", []).append(row["train_loss"])  # the same on every process: for the loss watch
         self.watch.partial = state["partial"]
         if self.world.is_main:
             self.log_csv.add(row)
@@ -444,6 +446,50 @@ def _held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):
     order = np.random.default_rng([cfg.seed, 7919]).permutation(len(train_pk))
     n_val = max(1, int(len(train_pk) * cfg.val_fraction))
     return train_pk, np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+STUCK_SHARE = 0.3  # the loss watch judges "stuck" after max(2, this share of the epochs)
+STUCK_MARGIN = 0.02  # "stuck": the epoch's training loss is within 2% of ln K, or above it
+DIVERGED = 1.5  # "diverging": an epoch's training loss over 1.5× the first epoch's, and over ln K
+
+
+def _classes(net) -> int:
+    """Classes per prediction (the alphabet for sequences), from the model's output shape."""
+    out = getattr(net, "output_shape", None)
+    return int(out[-1]) if out else 0
+
+
+def _findings(net, pk: Pack) -> list[str]:
+    """The doctor's structural findings about `net` (counted on a copy, on the CPU)."""
+    from trainfast.diagnose.cost import layer_costs
+    h, w, c = pk.shape
+    try:
+        return layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w)).findings
+    except Exception:  # noqa: BLE001 - a model the counter cannot trace: no findings, still a message
+        return []
+
+
+def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findings: list[str]) -> str | None:
+    """Why the run should stop, in words, or None. `losses`: training loss per epoch so far.
+
+    A cross-entropy loss that stays at ln K (K classes per prediction) means the model
+    predicts chance; with a warm-up a good run can sit there for an epoch or two (the CIFAR
+    CNN on digits left it in its third of 15 epochs), so "stuck" is judged only after
+    max(2, STUCK_SHARE of the epochs)."""
+    if not losses or classes < 2:
+        return None
+    chance, last, n = math.log(classes), losses[-1], len(losses)
+    hint = (" The doctor's findings about this model: " +
+            "; ".join(f"({i}) {f}" for i, f in enumerate(findings, 1)) + ".") if findings else ""
+    if n >= 2 and last > DIVERGED * losses[0] and last > chance:
+        return (f"the training loss is diverging: {losses[0]:.3f} after epoch 1, {last:.3f} after epoch {n}. "
+                f"The learning rate ({lr:.3g}) is likely too high: try --lr {lr / 10:.2g}, or --clip 1.{hint}")
+    if n >= max(2, math.ceil(STUCK_SHARE * epochs)) and last >= (1 - STUCK_MARGIN) * chance:
+        return (f"the training loss has not left chance after {n} of {epochs} epochs: {last:.3f}, where predicting "
+                f"all {classes} classes alike gives ln {classes} = {chance:.3f}. The model is not learning: the "
+                f"learning rate ({lr:.3g}) may be too low (try --lr {lr * 10:.2g}) or too high (--lr {lr / 10:.2g}), "
+                f"or the model cannot carry what the task needs.{hint} (--no-loss-watch trains on regardless.)")
+    return None
 
 
 def _runnable(speed: Speed, dev: torch.device, say) -> Speed:
@@ -625,6 +671,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     stopped = "early-stopped"
                     say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
                     break
+                if cfg.loss_watch and loss_watch(state["losses"], cfg.epochs, _classes(net), lr, []):
+                    why = loss_watch(state["losses"], cfg.epochs, _classes(net), lr, _findings(net, train_pk))
+                    raise TrainfastError(f"{why} Stopped; the run so far is in {run_dir}.")
     except KeyboardInterrupt:
         if interrupts.torn:  # a second Ctrl-C mid-step: weights and position may disagree; keep the last save
             say(f"\ninterrupted mid-step; the last checkpoint {run_dir / 'last.pt'} is from before it")

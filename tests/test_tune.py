@@ -181,3 +181,49 @@ def test_fit_bounds_the_batch_by_the_data_and_takes_compile_only_where_it_pays()
     assert _pays(fast, rows, 1_000, said.append) == plain  # saves 5 s, compiles in 10
     assert "saves" not in said[0] and "5.0 s" in said[0] and "10.0 s to compile" in said[0]
     assert _pays(fast, rows, 10_000, said.append) == fast  # saves 50 s
+
+
+def test_a_budget_bounds_the_tune_and_says_what_it_left_out(monkeypatch):
+    """Each fake trial takes 1 s; 10% of a 40 s run (4,000 images at the first rate of 100/s)
+    leaves 4 s: the search stops there, names what it did not time, and is not cached."""
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+    now = [0.0]
+    monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
+    fake = _fake([])
+
+    def slow(*args):
+        now[0] += 1.0
+        return fake(*args)
+    said = []
+    r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=slow, planned_images=4_000, budget_share=0.1,
+             retune=True, log=said.append)
+    assert r.budget_s == 4.0 and 4 <= len([t for t in r.rows if t.images_per_s]) <= 5 and r.not_timed
+    assert "not timed, the tune's budget of 4.0 s spent:" in r.table() and any("not cached" in m for m in said)
+    again = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=slow, planned_images=4_000,
+                 budget_share=0.1, log=lambda m: None)
+    assert not again.cached
+
+
+def test_the_first_batch_is_sized_to_the_models_cost_on_a_cpu():
+    from trainfast.models import create
+    cpu = torch.device("cpu")
+    assert tune_mod.start_batch_for(create("cifar_cnn"), (3, 32, 32), cpu, 512) == 64
+    big = tune_mod.start_batch_for(create("classifier512"), (3, 512, 512), cpu, 512)
+    assert 4 <= big <= 8  # 6 GFLOP per training image: about 13 s per step at batch 64 on 2 cores
+    assert tune_mod.start_batch_for(create("cifar_cnn"), (3, 32, 32), cpu, 16) == 16
+
+
+def test_a_budget_spent_during_the_final_keeps_the_best_timed(monkeypatch):
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+    for spent_after in range(1, 16):  # the budget runs out at every point of the search in turn
+        now = [0.0]
+        monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
+        fake = _fake([])
+
+        def slow(*args):
+            now[0] += 1.0
+            return fake(*args)
+        r = tune(_net(), (3, 8, 8), device="cpu", measure=slow, planned_images=100 * spent_after * 10,
+                 budget_share=0.1, try_compile=False, retune=True, log=lambda m: None)
+        timed = [t for t in r.rows if t.images_per_s]
+        assert r.best.label() in {t.speed.label() for t in timed}

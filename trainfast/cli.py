@@ -188,6 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0, help="seed of the weights, order and augmentations (default: 0)")
     tr.add_argument("--deterministic", action="store_true",
                     help="deterministic kernels: the same seed gives the same weights on the same device (can be slower)")
+    tr.add_argument("--tune-share", type=float, default=0.1,
+                    help="the most of the planned training time tuning may take (default: 0.1; 0: no bound)")
     tr.add_argument("--no-loss-watch", action="store_true",
                     help="train on even when the loss stays at chance (ln K) after max(2, 30%%) of the epochs, or diverges")
     tr.add_argument("--device", default=None,
@@ -348,7 +350,7 @@ def _cmd_train(a) -> ExitStatus:
         cfg = TrainConfig(epochs=a.epochs, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
                           schedule=a.schedule, warmup=a.warmup, label_smoothing=a.label_smoothing, clip=a.clip,
                           val_fraction=a.val_fraction, patience=a.patience, save_every=a.save_every, seed=a.seed,
-                          deterministic=a.deterministic, loss_watch=not a.no_loss_watch)
+                          deterministic=a.deterministic, loss_watch=not a.no_loss_watch, tune_share=a.tune_share)
         aug = Augment(crop_pad=a.crop_pad, translate=a.translate, flip=a.flip, brightness=a.brightness,
                       contrast=a.contrast, cutout=a.cutout)
         pinned = {k: v for k, v in (("precision", a.precision), ("channels_last", a.channels_last),

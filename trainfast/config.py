@@ -140,6 +140,8 @@ class TrainConfig:
     """Seed of the weights, the order and the augmentations."""
     deterministic: bool = False
     """Deterministic kernels (cuDNN, cuBLAS): the same seed gives the same weights on the same device; can be slower."""
+    tune_share: float = 0.1
+    """The most of the planned training time that tuning may take (0: no bound)."""
     loss_watch: bool = True
     """Stop a run whose training loss has not left chance (ln K) after max(2, 30%) of its epochs, or that diverges."""
 

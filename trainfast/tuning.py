@@ -45,7 +45,10 @@ MIN_SECONDS = 0.8  # the least time one timing spans
 MAX_STEPS = 60
 MAX_BATCH = {"cpu": 512, "cuda": 8192}  # the largest batch tried unless the caller bounds it
 FILL_GAIN = 1.10  # CUDA: a doubling of the batch that gains less than this has filled the device
+START_STEP_S = 0.5  # CPU: the first batch tried is sized so that one step takes about this long
+START_EFFICIENCY = 0.3  # ... assuming a training step reaches this share of the measured fp32 matmul peak
 _DEFAULT_THREADS = torch.get_num_threads()  # restored after a trial that pins threads
+_clock = time.perf_counter  # the tune's own elapsed time (tests replace it)
 
 
 @dataclass
@@ -67,6 +70,8 @@ class TuneResult:
     rows: list[Trial] = field(default_factory=list)
     cached: bool = False
     seconds: float = 0.0
+    not_timed: list[str] = field(default_factory=list)  # settings the time budget left out
+    budget_s: float | None = None
 
     def table(self) -> str:
         timed: dict[str, list[Trial]] = {}  # a setting timed several times shows once, at its median
@@ -86,6 +91,9 @@ class TuneResult:
         for r in self.rows:
             if not r.images_per_s:
                 lines.append(f"{'—':>4s}  {r.speed.label():{w}s} {'—':>9s} {'':>8s}  {r.note}")
+        untimed = [lbl for lbl in dict.fromkeys(self.not_timed) if lbl not in timed]
+        if untimed:
+            lines.append(f"not timed, the tune's budget of {self.budget_s:.1f} s spent: " + ", ".join(untimed))
         lines.append(f"chosen: {self.best.label()}" + (" (cached; --retune to measure again)" if self.cached else
                                                         f" ({self.seconds:.0f} s)"))
         return "\n".join(lines)
@@ -147,9 +155,11 @@ def _final(rows: list[Trial], finalists: list[Speed], sound, run, rounds: int = 
         for s in list(alive):
             if i == rounds and sum(t.speed.label() == s.label() for t in rows) > rounds:
                 continue
-            if not sound(run(s)):
+            t = run(s)
+            if not sound(t) and not t.note.startswith("not timed"):
                 alive.remove(s)  # out of memory, failed, or its loss is off: out of the final
-    scored = [(_median([t for t in rows if t.speed.label() == s.label() and sound(t)]), s) for s in alive]
+    timed = {s.label(): [t for t in rows if t.speed.label() == s.label() and sound(t)] for s in alive}
+    scored = [(_median(timed[s.label()]), s) for s in alive if timed[s.label()]]  # a budget can leave some untimed
     if not scored:
         return None
     best = max(scored, key=lambda m: m[0])[1]
@@ -180,8 +190,27 @@ def _fill(run, batch: int, max_batch: int) -> Trial:
     return best
 
 
+def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, max_batch: int) -> int:
+    """The first batch to try: 64, or on the CPU less where the model's counted training FLOPs
+    would make a step at 64 take more than START_STEP_S (the 512² story's CNN: 13 s per step at
+    64 on 2 cores; a tune of several steps per candidate outlasted a one-epoch run)."""
+    b = min(64, max_batch)
+    if device.type != "cpu":
+        return b
+    try:
+        from trainfast.diagnose.cost import layer_costs
+        flops = layer_costs(copy.deepcopy(model), tuple(input_shape)).train_flops
+        per_image = flops / (START_EFFICIENCY * hardware.peaks(device)["matmul_flops"]["float32"])
+    except Exception:  # noqa: BLE001 - a model the counter cannot trace: the usual start
+        return b
+    while b > 4 and b * per_image > START_STEP_S:
+        b //= 2
+    return b
+
+
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
-         max_batch: int | None = None, try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
+         max_batch: int | None = None, planned_images: int | None = None, budget_share: float = 0.0,
+         try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
          measure: Callable[..., Trial] | None = None, log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
@@ -189,6 +218,9 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         batch_size: pin the batch size (else start at 64, or less than max_batch, and search
             powers of two).
         max_batch: the largest batch tried (default MAX_BATCH[device type]).
+        planned_images, budget_share: bound the tune to budget_share of the training it serves,
+            planned_images at the first setting's rate; what the bound leaves out is reported,
+            and a search cut short is not cached.
         try_compile: include torch.compile of the winner (slow to compile on CPU).
         try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
         measure: replaces measure_trial (tests inject a fake clock here).
@@ -198,7 +230,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     except ValueError as e:
         raise TrainfastError(str(e)) from None
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
-    started = time.perf_counter()
+    started = _clock()
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch))
     cache = hardware.read_cache("tune.json")
     if not retune and key in cache:
@@ -212,8 +244,13 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         with torch.no_grad():
             out_shape = tuple(copy.deepcopy(model).eval()(torch.zeros(1, *input_shape)).shape[1:])
     rows: list[Trial] = []
+    not_timed: list[str] = []
+    budget: list[float] = []  # set once the first setting's rate is known
 
     def run(speed: Speed) -> Trial:
+        if budget and _clock() - started > budget[0]:
+            not_timed.append(speed.label())
+            return Trial(speed, None, note="not timed: the tune's budget is spent")
         reason = _step.check(speed, dev)
         trial = Trial(speed, None, note=f"skipped: {reason}") if reason else measure(model, input_shape, out_shape, speed, dev)
         rows.append(trial)
@@ -225,7 +262,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     log(f"tuning on {dev}: {'the batch that fills the GPU, then ' if cuda and not batch_size else ''}"
         f"precision × memory format{', rewrites' if try_rewrites else ''}, then batch size (up to {max_batch}), "
         f"threads{', compile' if try_compile else ''}")
-    start_batch = batch_size or min(64, max_batch)
+    start_batch = batch_size or start_batch_for(model, input_shape, dev, max_batch)
     if cuda and not batch_size:
         ref = _fill(run, start_batch, max_batch)
         start_batch = ref.speed.batch_size
@@ -233,6 +270,10 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         ref = run(Speed("fp32", False, batch_size=start_batch))
     if ref.images_per_s is None:
         raise TrainfastError(f"the model does not train at all on {dev}: {ref.note}")
+    if planned_images and budget_share:
+        budget.append(budget_share * planned_images / ref.images_per_s)
+        log(f"  (tune budget: {budget[0]:.1f} s, {budget_share:.0%} of ~{planned_images / ref.images_per_s:.0f} s "
+            f"of training at this first rate)")
     precisions = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"]
     for p in precisions:
         for cl in (False, True):
@@ -292,7 +333,11 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         t = run(replace(best.speed, compile=True))
         if sound(t) and t.images_per_s > best.images_per_s * 1.03:
             best = t
-    result = TuneResult(best.speed, rows, seconds=time.perf_counter() - started)
-    cache[key] = {"best": asdict(best.speed), "rows": [r.to_dict() for r in rows]}
-    hardware.write_cache("tune.json", cache)
+    result = TuneResult(best.speed, rows, seconds=_clock() - started, not_timed=not_timed,
+                        budget_s=budget[0] if budget else None)
+    if not_timed:
+        log(f"  the tune's budget ({budget[0]:.1f} s) left {len(set(not_timed))} settings untimed; not cached")
+    else:
+        cache[key] = {"best": asdict(best.speed), "rows": [r.to_dict() for r in rows]}
+        hardware.write_cache("tune.json", cache)
     return result

@@ -417,10 +417,11 @@ def _pays(best: Speed, rows: list, planned_images: int, say) -> Speed:
 
 
 def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
-           world_size: int = 1) -> tuple[Speed, list[dict]]:
+           world_size: int = 1, budget_share: float = 0.0) -> tuple[Speed, list[dict]]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
-    torch.compile only where it pays for itself over `epochs`."""
+    the tune's time by budget_share of the planned training, torch.compile only where it pays
+    for itself over `epochs`."""
     from trainfast.tuning import MAX_BATCH
     from trainfast.tuning import tune as _tune
 
@@ -428,6 +429,7 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
     per_process = images // world_size
     limit = min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(per_process))
     result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"), max_batch=limit,
+                   planned_images=per_process * epochs, budget_share=budget_share,
                    try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, log=progress_log)
     say(result.table())
     if "batch_size" not in pin:
@@ -600,7 +602,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     if speed is None:
         n_train = len(train_pk) if train_idx is None else len(train_idx)
         speed, tune_table = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
-                                   images=n_train, epochs=cfg.epochs, world_size=world.size) if tune \
+                                   images=n_train, epochs=cfg.epochs, world_size=world.size,
+                                   budget_share=cfg.tune_share) if tune \
             else (Speed(**pin), [])
     reason = _step.check(speed, dev)
     if reason:
@@ -673,7 +676,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     break
                 if cfg.loss_watch and loss_watch(state["losses"], cfg.epochs, _classes(net), lr, []):
                     why = loss_watch(state["losses"], cfg.epochs, _classes(net), lr, _findings(net, train_pk))
-                    raise TrainfastError(f"{why} Stopped; the run so far is in {run_dir}.")
+                    if state["epoch"] < cfg.epochs:  # epochs left: stop rather than spend them
+                        raise TrainfastError(f"{why} Stopped; the run so far is in {run_dir}.")
+                    say(f"warning: {why}")
     except KeyboardInterrupt:
         if interrupts.torn:  # a second Ctrl-C mid-step: weights and position may disagree; keep the last save
             say(f"\ninterrupted mid-step; the last checkpoint {run_dir / 'last.pt'} is from before it")

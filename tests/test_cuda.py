@@ -92,7 +92,8 @@ def test_a_cuda_run_resumes_on_the_cpu_and_a_cpu_run_on_cuda(digits_packs, tmp_p
     train, test = digits_packs
     for saved_on, resumed_on, precision in (("cuda", "cpu", "fp16"), ("cpu", "cuda", "fp32")):
         run = tmp_path / saved_on
-        kw = dict(config=TrainConfig(epochs=2), speed=Speed(precision, batch_size=64), run_dir=run, progress=False)
+        kw = dict(config=TrainConfig(epochs=2, lr_test=False), speed=Speed(precision, batch_size=64), run_dir=run,
+                  progress=False)
         with pytest.raises(KeyboardInterrupt):
             fit(Signals(5), train, test, device=saved_on, log=lambda *a: None, **kw)
         notes = []

@@ -209,7 +209,7 @@ def test_resume_on_another_device_kind_works_and_says_the_stream_differs(digits_
     run = tmp_path / "run"
     kw = dict(speed=Speed(batch_size=64), device="cpu", progress=False)
     with pytest.raises(KeyboardInterrupt):
-        fit(Signals(5), train, test, config=TrainConfig(epochs=2), run_dir=run, log=lambda *a: None, **kw)
+        fit(Signals(5), train, test, config=TrainConfig(epochs=2, lr_test=False), run_dir=run, log=lambda *a: None, **kw)
     ck = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
     ck["rng"] = {"cpu": ck["rng"]["cpu"], "device": "cuda", "cuda": torch.zeros(16, dtype=torch.uint8)}
     ck["scaler"] = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
@@ -278,7 +278,7 @@ def test_resume_finds_its_pack_from_anywhere_and_refuses_another(digits_packs, s
     monkeypatch.chdir(train.path.parent)
     run = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):  # a relative PACK, a run cut short
-        fit(Signals(5), train.path.name, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), device="cpu",
+        fit(Signals(5), train.path.name, config=TrainConfig(epochs=1, lr_test=False), speed=Speed(batch_size=64), device="cpu",
             run_dir=run, progress=False, log=lambda *a: None)
     monkeypatch.chdir(tmp_path)  # elsewhere, where "train" is another pack
     trainfast.pack((np.full((80, 32, 32, 3), 7, np.uint8), np.arange(80) % 10), tmp_path / train.path.name,
@@ -310,7 +310,8 @@ def test_loss_watch_names_a_stuck_and_a_diverging_run():
     from trainfast.train.trainer import loss_watch
     chance = math.log(36)
     finding = "per_position predicts each of 8 positions from a single number: a width-1 bottleneck"
-    stuck = loss_watch([3.68, 3.62, chance + 0.01], 10, 36, 0.05, [finding])
+    stuck = loss_watch([3.68, 3.62, chance + 0.01], 10, 36, 0.05, [finding], steps=300)
+    assert loss_watch([3.68, 3.62, chance + 0.01], 10, 36, 0.05, [], steps=30) is None  # 30 steps: too few to judge
     assert "has not left chance after 3 of 10 epochs" in stuck and "ln 36 = 3.584" in stuck
     assert "--lr 0.5" in stuck and "--lr 0.005" in stuck and "width-1 bottleneck" in stuck
     assert loss_watch([3.68, 3.62], 10, 36, 0.05, []) is None  # too early to judge (a warm-up)
@@ -323,11 +324,11 @@ def test_loss_watch_names_a_stuck_and_a_diverging_run():
 
 
 def test_a_run_that_does_not_learn_is_stopped_with_the_reason(digits_packs, tmp_path, device):
-    """lr 1e-9: the loss cannot move; after 2 of 4 epochs fit stops and says why; with the watch
-    off it trains to the end."""
+    """lr 1e-9: the loss cannot move; after 3 of 4 epochs (2 would be 44 steps, under the 50 the
+    watch waits for) fit stops and says why; with the watch off it trains to the end."""
     train, test = digits_packs
     cfg = TrainConfig(epochs=4, lr=1e-9, optimizer="adamw", schedule="constant")
-    with pytest.raises(TrainfastError, match=r"has not left chance after 2 of 4 epochs.*too low \(try --lr 1e-08\)"):
+    with pytest.raises(TrainfastError, match=r"has not left chance after 3 of 4 epochs.*too low \(try --lr 1e-08\)"):
         fit("cifar_cnn", train, test, config=cfg, speed=Speed(batch_size=64), device=device, run_dir=tmp_path / "r",
             progress=False, log=lambda *a: None)
     assert (tmp_path / "r" / "last.pt").is_file()  # the run so far is kept

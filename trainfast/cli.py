@@ -12,7 +12,7 @@ import sys
 from enum import IntEnum
 
 from trainfast import __version__
-from trainfast.config import PRECISIONS
+from trainfast.config import OPTIMIZERS, PRECISIONS
 from trainfast.errors import TrainfastError
 
 
@@ -175,8 +175,13 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     tr.add_argument("--epochs", type=int, default=10, help="(default: 10)")
     tr.add_argument("--batch-size", type=int, default=None, help="pin the batch size (default: tuned)")
-    tr.add_argument("--optimizer", choices=("sgd", "adamw", "rmsprop"), default="sgd", help="(default: sgd, Nesterov)")
-    tr.add_argument("--lr", type=float, default=0.0, help="peak learning rate (default: per optimizer, scaled by batch)")
+    tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                    help="(default: adamw, which also trains networks without normalisation; sgd is Nesterov)")
+    tr.add_argument("--lr", type=float, default=0.0,
+                    help="peak learning rate (default: measured by a short range test on your data; where no rate "
+                         "lowers the loss there, the optimizer's default for the batch)")
+    tr.add_argument("--no-lr-test", action="store_true",
+                    help="without --lr, take the optimizer's default for the batch instead of a range test")
     tr.add_argument("--weight-decay", type=float, default=5e-4, help="(default: 5e-4)")
     tr.add_argument("--schedule", choices=("onecycle", "cosine", "constant"), default="onecycle", help="(default: onecycle)")
     tr.add_argument("--warmup", type=float, default=0.2, help="warm-up share of all steps (default: 0.2)")
@@ -350,7 +355,8 @@ def _cmd_train(a) -> ExitStatus:
         cfg = TrainConfig(epochs=a.epochs, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
                           schedule=a.schedule, warmup=a.warmup, label_smoothing=a.label_smoothing, clip=a.clip,
                           val_fraction=a.val_fraction, patience=a.patience, save_every=a.save_every, seed=a.seed,
-                          deterministic=a.deterministic, loss_watch=not a.no_loss_watch, tune_share=a.tune_share)
+                          deterministic=a.deterministic, loss_watch=not a.no_loss_watch, tune_share=a.tune_share,
+                          lr_test=not a.no_lr_test)
         aug = Augment(crop_pad=a.crop_pad, translate=a.translate, flip=a.flip, brightness=a.brightness,
                       contrast=a.contrast, cutout=a.cutout)
         pinned = {k: v for k, v in (("precision", a.precision), ("channels_last", a.channels_last),

@@ -24,11 +24,11 @@ import torch
 
 from trainfast import hardware, models
 from trainfast import step as _step
-from trainfast.config import BASE_BATCH, BASE_LR, OPTIMIZERS, SCHEDULES, Augment, Speed, TrainConfig
+from trainfast.config import OPTIMIZERS, SCHEDULES, Augment, Speed, TrainConfig, default_lr
 from trainfast.data.format import Pack
 from trainfast.data.loader import Loader
 from trainfast.errors import TrainfastError
-from trainfast.train import checkpoint, distributed
+from trainfast.train import checkpoint, distributed, lr_range
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
 
 
@@ -451,6 +451,7 @@ def _held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):
 
 
 STUCK_SHARE = 0.3  # the loss watch judges "stuck" after max(2, this share of the epochs)
+STUCK_STEPS = 50  # ... and after at least this many optimizer steps
 STUCK_MARGIN = 0.02  # "stuck": the epoch's training loss is within 2% of ln K, or above it
 DIVERGED = 1.5  # "diverging": an epoch's training loss over 1.5× the first epoch's, and over ln K
 
@@ -471,13 +472,15 @@ def _findings(net, pk: Pack) -> list[str]:
         return []
 
 
-def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findings: list[str]) -> str | None:
-    """Why the run should stop, in words, or None. `losses`: training loss per epoch so far.
+def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findings: list[str],
+               steps: int = STUCK_STEPS) -> str | None:
+    """Why the run should stop, in words, or None. `losses`: training loss per epoch so far;
+    `steps`: optimizer steps taken.
 
     A cross-entropy loss that stays at ln K (K classes per prediction) means the model
     predicts chance; with a warm-up a good run can sit there for an epoch or two (the CIFAR
     CNN on digits left it in its third of 15 epochs), so "stuck" is judged only after
-    max(2, STUCK_SHARE of the epochs)."""
+    max(2, STUCK_SHARE of the epochs) and STUCK_STEPS steps."""
     if not losses or classes < 2:
         return None
     chance, last, n = math.log(classes), losses[-1], len(losses)
@@ -486,12 +489,43 @@ def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findin
     if n >= 2 and last > DIVERGED * losses[0] and last > chance:
         return (f"the training loss is diverging: {losses[0]:.3f} after epoch 1, {last:.3f} after epoch {n}. "
                 f"The learning rate ({lr:.3g}) is likely too high: try --lr {lr / 10:.2g}, or --clip 1.{hint}")
-    if n >= max(2, math.ceil(STUCK_SHARE * epochs)) and last >= (1 - STUCK_MARGIN) * chance:
+    if n >= max(2, math.ceil(STUCK_SHARE * epochs)) and steps >= STUCK_STEPS and last >= (1 - STUCK_MARGIN) * chance:
         return (f"the training loss has not left chance after {n} of {epochs} epochs: {last:.3f}, where predicting "
                 f"all {classes} classes alike gives ln {classes} = {chance:.3f}. The model is not learning: the "
                 f"learning rate ({lr:.3g}) may be too low (try --lr {lr * 10:.2g}) or too high (--lr {lr / 10:.2g}), "
                 f"or the model cannot carry what the task needs.{hint} (--no-loss-watch trains on regardless.)")
     return None
+
+
+def _learning_rate(net, loader: Loader, cfg: TrainConfig, speed: Speed, dev, world, train_pk: Pack, saved, user_batch,
+                   say) -> float:
+    """The run's peak learning rate: the saved one on resume; the user's, scaled linearly from
+    their batch to the tuned one; else measured by a range test on this data (10% of the
+    planned steps, 20 to 100), or, where no rate lowered the loss there, the optimizer's
+    default scaled from batch 256."""
+    if saved is not None and saved.get("lr"):
+        return float(saved["lr"])
+    if cfg.lr:
+        lr = cfg.lr * speed.batch_size / user_batch
+        if speed.batch_size != user_batch:
+            say(f"batch size {user_batch} → {speed.batch_size} (tuned): learning rate scaled {cfg.lr:g} → {lr:g}")
+        return lr
+    default = default_lr(cfg.optimizer, speed.batch_size * world.size)
+    if not cfg.lr_test:
+        return default
+    steps = min(lr_range.STEPS, max(20, int(cfg.tune_share * cfg.epochs * len(loader))))
+    found = None
+    if world.is_main:  # on the global batch, as one process would: torchrun and one process agree
+        probe = loader if world.size == 1 else Loader(
+            train_pk, speed.batch_size * world.size, seed=cfg.seed, device=dev, augment=loader.augment,
+            subset=loader.subset)
+        found = lr_range.cached_range_test(
+            net, lambda i: probe.batch(i % len(probe), epoch=0), lambda p, lr: _optimizer(p, cfg, lr, dev),
+            replace(speed, batch_size=probe.batch_size), dev, f"{pack_record(train_pk)['id']}|{probe.samples}",
+            cfg.optimizer, steps, cfg.label_smoothing)
+        say(found.sentence() + ("" if found.lr else f"; using {cfg.optimizer}'s default {default:.2g}"))
+    # every process takes rank 0's answer
+    return distributed.sum_all([(found.lr or default) if world.is_main else 0.0], world)[0]
 
 
 def _runnable(speed: Speed, dev: torch.device, say) -> Speed:
@@ -617,12 +651,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     val_loader = None if val_pk is None else Loader(val_pk, speed.batch_size, shuffle=False, drop_last=False,
                                                      device=dev, rank=world.rank, world_size=world.size,
                                                      subset=val_idx)
-    # Linear scaling: the user's lr belongs to the user's batch; defaults to a global batch of 256.
-    lr = cfg.lr * speed.batch_size / user_batch if cfg.lr else \
-        BASE_LR[cfg.optimizer] * speed.batch_size * world.size / BASE_BATCH
-    if cfg.lr and speed.batch_size != user_batch:
-        say(f"batch size {user_batch} → {speed.batch_size} (tuned): learning rate scaled {cfg.lr:g} → {lr:g}")
     steps_per_epoch = len(loader)
+    lr = _learning_rate(net, loader, cfg, speed, dev, world, train_pk, saved, user_batch, say)
     opt = _optimizer(net.parameters(), cfg, lr, dev)
     sched = _scheduler(opt, cfg, cfg.epochs * steps_per_epoch, lr)
     scaler = _step.make_scaler(speed, dev)
@@ -674,8 +704,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     stopped = "early-stopped"
                     say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
                     break
-                if cfg.loss_watch and loss_watch(state["losses"], cfg.epochs, _classes(net), lr, []):
-                    why = loss_watch(state["losses"], cfg.epochs, _classes(net), lr, _findings(net, train_pk))
+                watch = (state["losses"], cfg.epochs, _classes(net), lr)
+                if cfg.loss_watch and loss_watch(*watch, [], state["step"]):
+                    why = loss_watch(*watch, _findings(net, train_pk), state["step"])
                     if state["epoch"] < cfg.epochs:  # epochs left: stop rather than spend them
                         raise TrainfastError(f"{why} Stopped; the run so far is in {run_dir}.")
                     say(f"warning: {why}")

@@ -183,9 +183,8 @@ def test_fit_bounds_the_batch_by_the_data_and_takes_compile_only_where_it_pays()
     assert _pays(fast, rows, 10_000, said.append) == fast  # saves 50 s
 
 
-def test_a_budget_bounds_the_tune_and_says_what_it_left_out(monkeypatch):
-    """Each fake trial takes 1 s; 10% of a 40 s run (4,000 images at the first rate of 100/s)
-    leaves 4 s: the search stops there, names what it did not time, and is not cached."""
+def _one_second_trials(monkeypatch):
+    """_fake's clock, where each trial also takes one second of the tune's own clock."""
     monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
     now = [0.0]
     monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
@@ -194,6 +193,13 @@ def test_a_budget_bounds_the_tune_and_says_what_it_left_out(monkeypatch):
     def slow(*args):
         now[0] += 1.0
         return fake(*args)
+    return slow
+
+
+def test_a_budget_bounds_the_tune_and_says_what_it_left_out(monkeypatch):
+    """Each fake trial takes 1 s; 10% of a 40 s run (4,000 images at the first rate of 100/s)
+    leaves 4 s: the search stops there, names what it did not time, and is not cached."""
+    slow = _one_second_trials(monkeypatch)
     said = []
     r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=slow, planned_images=4_000, budget_share=0.1,
              retune=True, log=said.append)
@@ -214,15 +220,8 @@ def test_the_first_batch_is_sized_to_the_models_cost_on_a_cpu():
 
 
 def test_a_budget_spent_during_the_final_keeps_the_best_timed(monkeypatch):
-    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
     for spent_after in range(1, 16):  # the budget runs out at every point of the search in turn
-        now = [0.0]
-        monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
-        fake = _fake([])
-
-        def slow(*args):
-            now[0] += 1.0
-            return fake(*args)
+        slow = _one_second_trials(monkeypatch)
         r = tune(_net(), (3, 8, 8), device="cpu", measure=slow, planned_images=100 * spent_after * 10,
                  budget_share=0.1, try_compile=False, retune=True, log=lambda m: None)
         timed = [t for t in r.rows if t.images_per_s]

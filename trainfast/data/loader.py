@@ -66,8 +66,11 @@ def gpu_jpeg_decoder(device: torch.device, channels: int):
         from torchvision.io import decode_jpeg as tv_decode
     except Exception:  # noqa: BLE001 - absent, or built for another torch: the CPU decodes
         return None
-    if tuple(int(v) for v in torchvision.__version__.split(".")[:2]) < (0, 20):
-        return None
+    try:
+        if tuple(int(v) for v in torchvision.__version__.split("+")[0].split(".")[:2]) < (0, 20):
+            return None
+    except ValueError:  # a version string we cannot read: try it
+        pass
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
 
     def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -121,7 +124,7 @@ class Loader:
         normalize: subtract the pack's per-channel mean and divide by its std.
         augment: an Augment config; geometric ones apply for uint8 output too.
         rank, world_size: this process's disjoint, equal share of each epoch (DDP).
-        workers: gathering/decoding threads (default: 2 for raw packs, cores for JPEG).
+        workers: gathering/decoding threads (default by what they do: see _default_workers).
         prefetch: batches prepared ahead (default: workers + 2).
         subset: draw only from these pack indices (e.g. a held-out split).
         decode: JPEG packs: "gpu" (batched nvJPEG; needs CUDA and torchvision ≥ 0.20), "cpu"

@@ -17,6 +17,12 @@ def test_quick_demo_end_to_end(tmp_path, capsys, device):
     assert page.count("<svg") >= 3 and page.count("data:image/png;base64") == 2
     err = capsys.readouterr().err
     assert "held-out plates:" in err and "VERDICT" in err
+    e = s["errors"]  # the error analysis is of the held-out plates, and agrees with the headline figures
+    assert e["sequences"] == s["config"]["test"] and e["characters"] == 8 * s["config"]["test"]
+    assert e["character_accuracy"] == pytest.approx(s["per_character_accuracy"], abs=0.01)
+    assert e["sequence_accuracy"] == pytest.approx(s["whole_plate_accuracy"], abs=0.01)
+    assert sum(g["sequences"] for g in e["groups"].values()) == s["config"]["test"]
+    assert "Where the errors are" in page and "most confused" in err
 
 
 def test_the_demo_writes_only_into_a_folder_of_its_own(tmp_path, capsys):

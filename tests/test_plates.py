@@ -20,7 +20,7 @@ def test_deterministic_for_a_seed_whatever_the_workers(tmp_path):
 def test_csv_is_what_a_user_would_have(tmp_path):
     out = make_plates(tmp_path / "p", 25, seed=0, workers=1)
     rows = list(csv.DictReader(open(out / "labels.csv")))
-    assert len(rows) == 25 and list(rows[0]) == ["path", "plate"]
+    assert len(rows) == 25 and list(rows[0]) == ["path", "plate", "font"]
     from PIL import Image
     for r in rows:
         assert len(r["plate"]) == 8 and set(r["plate"]) <= set(ALPHABET)
@@ -48,4 +48,4 @@ def test_an_interrupted_make_plates_can_be_rerun(tmp_path):
     (tmp_path / "p" / "images").mkdir(parents=True)  # killed before labels.csv was written
     (tmp_path / "p" / "images" / "000000.jpg").write_bytes(b"half")
     make_plates(tmp_path / "p", 2, workers=1)
-    assert (tmp_path / "p" / "labels.csv").read_text().startswith("path,plate\n")
+    assert (tmp_path / "p" / "labels.csv").read_text().startswith("path,plate,font\n")

@@ -335,3 +335,17 @@ def test_a_run_that_does_not_learn_is_stopped_with_the_reason(digits_packs, tmp_
     r = fit("cifar_cnn", train, test, config=replace(cfg, loss_watch=False), speed=Speed(batch_size=64), device=device,
             run_dir=tmp_path / "r2", progress=False, log=lambda *a: None)
     assert len(r.history) == 4
+
+
+def test_sequence_errors_count_positions_pairs_and_groups():
+    from trainfast.train.metrics import sequence_errors
+    true = np.array([[0, 1, 2], [0, 1, 2], [2, 2, 2], [1, 0, 1]])
+    pred = np.array([[0, 1, 2], [1, 1, 2], [2, 2, 1], [1, 1, 1]])  # errors: 0→1 twice, 2→1 once
+    e = sequence_errors(pred, true, "O0I", groups=["a", "a", "b", "b"])
+    assert (e["sequences"], e["characters"], e["errors"]) == (4, 12, 3)
+    assert e["character_accuracy"] == 9 / 12 and e["sequence_accuracy"] == 1 / 4
+    assert e["per_position"] == [0.75, 0.75, 0.75]
+    assert e["confusions"][0] == {"true": "O", "predicted": "0", "count": 2, "share_of_errors": 2 / 3}
+    assert e["confusions"][1]["true"] == "I" and e["confusions"][1]["count"] == 1
+    assert e["groups"] == {"a": {"sequences": 2, "character_accuracy": 5 / 6, "sequence_accuracy": 0.5},
+                           "b": {"sequences": 2, "character_accuracy": 4 / 6, "sequence_accuracy": 0.0}}

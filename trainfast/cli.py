@@ -228,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
 
     mp = sub.add_parser(
         "make-plates", help="generate synthetic license-plate photos",
-        description="Write OUT/images/*.jpg and OUT/labels.csv (path,plate): photo-like plates with 8 "
+        description="Write OUT/images/*.jpg and OUT/labels.csv (path,plate,font): photo-like plates with 8 "
                     "characters from 0-9A-Z in several fonts, backgrounds, perspective, blur and noise. "
                     "Deterministic for a seed.")
     mp.add_argument("out", metavar="OUT")

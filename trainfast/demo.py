@@ -175,6 +175,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     dev = before.system["device"]
     final = evaluate(net.to(dev), Loader(test_pk, 100, shuffle=False, device=dev), speed,
                      torch.device(dev), World(device=torch.device(dev)))
+    errors = held_out_errors(net, test_pk, speed, torch.device(dev), out / "plates-test" / "labels.csv")
     epoch_s = statistics.median(r["seconds"] for r in result.history)  # one slow spell of a shared machine is not the rate
     users_epoch_s = cfg.train / before.times.images_per_s
     summary = {
@@ -188,18 +189,56 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
         "pack_s": stages["pack the photos once"],
         "same_epochs_on_users_pipeline_s": users_epoch_s * cfg.epochs,
         "trainfast_train_s": stages[f"train plate_net for {cfg.epochs} epochs"],
-        "config": asdict(cfg),
+        "config": asdict(cfg), "errors": errors,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "report.html").write_text(_html(summary, before, after, tuned, speed, result, test_pk, net, dev))
     log("\n== result")
     log(f"   held-out plates: {final['acc']:.1%} of characters, {final['seq_acc']:.1%} of whole plates right")
+    for line in _error_lines(errors):
+        log("   " + line)
     log(f"   one epoch (median): {epoch_s:.1f} s with trainfast, {users_epoch_s:.0f} s on the users' pipeline and model "
         f"({reader} per image, fp32)")
     log(f"   {cfg.epochs} epochs: {summary['trainfast_train_s']:.0f} s + {summary['pack_s']:.0f} s to pack once, "
         f"vs {summary['same_epochs_on_users_pipeline_s']:.0f} s")
     log(f"   report: {out / 'report.html'}")
     return summary
+
+
+def held_out_errors(net, test_pk: Pack, speed: Speed, dev: torch.device, labels_csv: Path) -> dict:
+    """Where the reader's errors are on the held-out plates (trainfast.train.metrics.sequence_errors),
+    by font where the plates' labels.csv records it."""
+    import csv
+
+    import numpy as np
+
+    from trainfast import step as _step
+    from trainfast.train.metrics import sequence_errors
+
+    preds = []
+    net.eval()
+    with torch.no_grad(), _step.autocast(speed, dev):
+        for x, _ in Loader(test_pk, 100, shuffle=False, drop_last=False, device=dev):
+            preds.append(net(x).argmax(-1).cpu())
+    fonts = None
+    if labels_csv.is_file():
+        with open(labels_csv, newline="") as f:
+            by_path = {row["path"]: row.get("font") for row in csv.DictReader(f)}
+        fonts = [by_path.get(k) for k in test_pk.inputs]
+        fonts = None if None in fonts else [Path(f).stem for f in fonts]
+    return sequence_errors(torch.cat(preds).numpy(), np.asarray(test_pk.labels), test_pk.alphabet, fonts)
+
+
+def _error_lines(e: dict) -> list[str]:
+    lines = [f"errors on the {e['sequences']:,} held-out plates: {e['errors']:,} of {e['characters']:,} characters; "
+             "right by position " + " ".join(f"{a:.1%}" for a in e["per_position"])]
+    if e["confusions"]:
+        lines.append("most confused (true → read, share of all errors): " + ", ".join(
+            f"{c['true']}→{c['predicted']} {c['share_of_errors']:.0%}" for c in e["confusions"][:8]))
+    for font, g in e.get("groups", {}).items():
+        lines.append(f"  {font:24s} {g['sequences']:5d} plates: {g['character_accuracy']:.1%} of characters, "
+                     f"{g['sequence_accuracy']:.1%} of plates")
+    return lines
 
 
 def _png(im) -> str:
@@ -257,6 +296,7 @@ epoch. {s['config']['epochs']} epochs: {s['trainfast_train_s']:.0f} s, plus {s['
 <h2>4. Training curves</h2><img alt="training curves" src="data:image/png;base64,{curves}">
 <h2>5. Held-out plates and predictions</h2>
 <img alt="sample plates" src="data:image/png;base64,{_png(_samples(test_pk, net, dev))}">
+<h2>6. Where the errors are (the held-out plates)</h2><pre>{html.escape(chr(10).join(_error_lines(s['errors'])))}</pre>
 <h2>Time per stage</h2><table>{rows}</table>
 <h2>The doctor's full report on the users' pipeline</h2><pre>{html.escape(before.text())}</pre>
 </body></html>

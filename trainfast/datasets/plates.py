@@ -1,7 +1,7 @@
 """Synthetic license-plate photos: what a user of the plate story would have on disk.
 
 `make_plates(out, count, seed)` writes out/images/*.jpg (photo-like sizes larger than
-64×128) and out/labels.csv with columns path,plate. Each plate holds 8 characters from
+64×128) and out/labels.csv with columns path,plate,font (the font's file name). Each plate holds 8 characters from
 0-9A-Z, rendered in one of several fonts that matplotlib ships, on a varied background,
 with perspective, rotation, scale, brightness, blur, noise and JPEG artefacts. Image i
 depends only on (seed, i), so the result is the same for any number of workers.
@@ -72,10 +72,12 @@ def _background(rng: np.random.Generator, w: int, h: int) -> Image.Image:
     return im
 
 
-def _plate(rng: np.random.Generator, text: str, fonts: list[str]) -> Image.Image:
-    """The plate itself, flat and upright: text on a coloured board with a border."""
+def _plate(rng: np.random.Generator, text: str, fonts: list[str]) -> tuple[Image.Image, str]:
+    """The plate itself, flat and upright: text on a coloured board with a border; and the
+    font's file name."""
     bg, fg = _PLATE_COLOURS[int(rng.integers(len(_PLATE_COLOURS)))]
-    font = _font(fonts[int(rng.integers(len(fonts)))], int(rng.integers(28, 38)))
+    font_path = fonts[int(rng.integers(len(fonts)))]
+    font = _font(font_path, int(rng.integers(28, 38)))
     gap = int(rng.integers(0, 5))
     widths = [font.getbbox(ch)[2] for ch in text]
     ascent, descent = font.getmetrics()
@@ -88,7 +90,7 @@ def _plate(rng: np.random.Generator, text: str, fonts: list[str]) -> Image.Image
     for ch, cw in zip(text, widths):
         draw.text((x, y + int(rng.integers(-1, 2))), ch, font=font, fill=fg)
         x += cw + gap
-    return plate
+    return plate, Path(font_path).name
 
 
 def _perspective_coeffs(src, dst):
@@ -100,11 +102,11 @@ def _perspective_coeffs(src, dst):
     return np.linalg.solve(np.asarray(a, float), np.asarray(src, float).reshape(8))
 
 
-def render(seed: int, index: int, fonts: list[str]) -> tuple[bytes, str]:
-    """Image `index` of the set `seed`: (JPEG bytes, plate text)."""
+def render(seed: int, index: int, fonts: list[str]) -> tuple[bytes, str, str]:
+    """Image `index` of the set `seed`: (JPEG bytes, plate text, font file name)."""
     rng = np.random.default_rng([seed, index])
     text = "".join(ALPHABET[i] for i in rng.integers(0, len(ALPHABET), LENGTH))
-    plate = _plate(rng, text, fonts)
+    plate, font = _plate(rng, text, fonts)
     pw, ph = plate.size
     # Photo: the plate fills most of the frame, as a crop from a plate detector would.
     out_w = int(pw * rng.uniform(1.05, 1.3))
@@ -131,26 +133,27 @@ def render(seed: int, index: int, fonts: list[str]) -> tuple[bytes, str]:
         photo = photo.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.2, 1.4))))
     buf = io.BytesIO()
     photo.save(buf, format="JPEG", quality=int(rng.integers(60, 95)))
-    return buf.getvalue(), text
+    return buf.getvalue(), text, font
 
 
-def _render_range(args) -> list[str]:
+def _render_range(args) -> list[tuple[str, str]]:
     seed, start, stop, images_dir = args
     fonts = font_paths()
-    texts = []
+    rows = []
     for i in range(start, stop):
-        data, text = render(seed, i, fonts)
+        data, text, font = render(seed, i, fonts)
         with open(os.path.join(images_dir, f"{i:06d}.jpg"), "wb") as f:
             f.write(data)
-        texts.append(text)
-    return texts
+        rows.append((text, font))
+    return rows
 
 
 def _check_out(out: Path) -> None:
     """OUT must be new, empty, or plates made here before (a whole set, or the images/ of an
     interrupted one): the files written there replace any of the same names."""
     labels = out / "labels.csv"
-    ours = (labels.is_file() and labels.read_text(errors="replace").startswith("path,plate\n")) or \
+    header = ("path,plate\n", "path,plate,font\n")  # (before fonts were recorded)
+    ours = (labels.is_file() and labels.read_text(errors="replace").startswith(header)) or \
         (out.is_dir() and [p.name for p in out.iterdir()] == ["images"])
     if out.exists() and not ours and (not out.is_dir() or any(out.iterdir())):
         raise TrainfastError(f"{out}: exists and does not hold plates made by trainfast; it writes images/ and "
@@ -158,7 +161,7 @@ def _check_out(out: Path) -> None:
 
 
 def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progress: bool = False) -> Path:
-    """Write `count` plate photos to out/images/ and out/labels.csv (path,plate).
+    """Write `count` plate photos to out/images/ and out/labels.csv (path,plate,font).
 
     The CSV is written last, under a temporary name, then renamed: a CSV that exists is
     complete.
@@ -175,7 +178,7 @@ def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progres
     from tqdm import tqdm
 
     bar = tqdm(total=count, unit="img", desc="making plates", disable=not progress)
-    texts: list[str] = []
+    texts: list[tuple[str, str]] = []
     if workers == 1 or len(ranges) == 1:
         for r in ranges:
             texts += _render_range(r)
@@ -190,7 +193,7 @@ def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progres
     tmp = out / "labels.csv.tmp"
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["path", "plate"])
-        w.writerows((f"images/{i:06d}.jpg", t) for i, t in enumerate(texts))
+        w.writerow(["path", "plate", "font"])
+        w.writerows((f"images/{i:06d}.jpg", t, font) for i, (t, font) in enumerate(texts))
     os.replace(tmp, out / "labels.csv")
     return out

@@ -19,6 +19,35 @@ def correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.stack([hit.sum(), whole.sum()]).double()
 
 
+def sequence_errors(pred, true, alphabet: str, groups=None, top: int = 10) -> dict:
+    """Where a sequence reader's errors are, from its predictions `pred` and the labels `true`
+    ((N, L) integer arrays over `alphabet`): accuracy per character, per whole sequence and per
+    position; the `top` most frequent (true, predicted) character pairs among the errors with
+    their share of all errors; and, given a group name per sequence (e.g. the font it was
+    drawn in), the same accuracies per group."""
+    import numpy as np
+
+    pred, true = np.asarray(pred), np.asarray(true)
+    hit = pred == true
+    wrong = ~hit
+    pairs: dict[tuple[str, str], int] = {}
+    for t, p in zip(true[wrong].tolist(), pred[wrong].tolist()):
+        pairs[alphabet[t], alphabet[p]] = pairs.get((alphabet[t], alphabet[p]), 0) + 1
+    errors = int(wrong.sum())
+    out = {"sequences": int(len(true)), "characters": int(hit.size), "errors": errors,
+           "character_accuracy": float(hit.mean()), "sequence_accuracy": float(hit.all(1).mean()),
+           "per_position": hit.mean(0).tolist(),
+           "confusions": [{"true": t, "predicted": p, "count": c, "share_of_errors": c / max(errors, 1)}
+                          for (t, p), c in sorted(pairs.items(), key=lambda kv: -kv[1])[:top]]}
+    if groups is not None:
+        groups = np.asarray(groups)
+        out["groups"] = {str(g): {"sequences": int((groups == g).sum()),
+                                  "character_accuracy": float(hit[groups == g].mean()),
+                                  "sequence_accuracy": float(hit[groups == g].all(1).mean())}
+                         for g in sorted(set(groups.tolist()))}
+    return out
+
+
 COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_seq_acc", "lr", "images_per_s", "seconds"]
 
 

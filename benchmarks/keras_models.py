@@ -31,7 +31,7 @@ from keras_plates import plate_cnn as _story_plate_cnn  # noqa: E402
 INPUT = {"plate_cnn": (64, 128, 3), "classifier512": (512, 512, 3), "cifar_cnn": (32, 32, 3), "plate_net": (64, 128, 3)}
 OUTPUT = {"plate_cnn": (8, 36), "classifier512": (10,), "cifar_cnn": (10,), "plate_net": (8, 36)}
 # trainable parameters, equal to the PyTorch ports' (trainfast.models); batch-norm statistics are not counted
-PARAMS = {"plate_cnn": 264_560, "classifier512": 32_641_130, "cifar_cnn": 276_138, "plate_net": 213_300}
+PARAMS = {"plate_cnn": 264_560, "classifier512": 32_641_130, "cifar_cnn": 276_138, "plate_net": 295_476}
 
 
 def plate_cnn() -> keras.Model:
@@ -72,6 +72,7 @@ def plate_net() -> keras.Model:
         layers.Conv2D(128, (8, 1), use_bias=False), *bn_relu(),          # the 8 rows folded: (1, 16, 128)
         layers.Reshape((16, 128)),
         layers.Conv1D(128, 5, padding="same", use_bias=False), *bn_relu(),
+        layers.Conv1D(128, 5, padding="same", use_bias=False), *bn_relu(),  # 9 columns per position
         layers.AveragePooling1D(2), layers.Dropout(0.1),                 # 16 columns → 8 positions
         layers.Conv1D(36, 1, dtype="float32"),                           # (8, 36) logits
     ])

@@ -32,7 +32,13 @@ class PlateNet(nn.Module):
         # where a stroke sits vertically is what tells 8 from B.
         self.collapse = nn.Sequential(nn.Conv2d(4 * w, 8 * w, (8, 1), bias=False), nn.BatchNorm2d(8 * w),
                                       nn.ReLU(inplace=True))
-        self.sequence = nn.Sequential(                    # along the width: (B, 8w, 16), 5 columns each
+        # Along the width, (B, 8w, 16): two convolutions of 5 columns, so that each position's
+        # features see 9 columns (72 pixels) around it. With one (5 columns), the two middle
+        # positions held 73% of the held-out errors (likely: their characters' place varies
+        # most with the text's width and spacing). Two took whole plates from 69.6% to 88.8%
+        # (median of 3 seeds, the demo's data and recipe, 2 CPU cores) for 5% more FLOPs.
+        self.sequence = nn.Sequential(
+            nn.Conv1d(8 * w, 8 * w, 5, padding=2, bias=False), nn.BatchNorm1d(8 * w), nn.ReLU(inplace=True),
             nn.Conv1d(8 * w, 8 * w, 5, padding=2, bias=False), nn.BatchNorm1d(8 * w), nn.ReLU(inplace=True),
         )
         self.dropout = nn.Dropout(dropout)

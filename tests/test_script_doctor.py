@@ -20,7 +20,7 @@ from skimage.transform import resize
 
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 root = sys.argv[1]
-rows = list(csv.reader(open(os.path.join(root, "labels.csv"))))[1:]
+rows = [r[:2] for r in csv.reader(open(os.path.join(root, "labels.csv")))][1:]  # path, plate
 
 
 class Plates(keras.utils.Sequence):

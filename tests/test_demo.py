@@ -48,3 +48,15 @@ def test_the_demo_trains_at_the_recipes_batch_unless_a_larger_one_is_clearly_fas
     assert _recipe_batch_unless_faster(result(1110.0), said.append).batch_size == 64  # 2 CPU cores: 1.11×
     assert "1.11×" in said[0]
     assert _recipe_batch_unless_faster(result(4000.0), said.append).batch_size == 256  # a GPU: 4×
+
+
+def test_the_demo_fills_its_time_budget_with_epochs():
+    import torch
+
+    from trainfast.demo import MAX_EPOCHS, MIN_EPOCHS, DemoConfig, budget_epochs
+    cpu = torch.device("cpu")
+    # 20,000 plates at 2,000 images/s: 13 s per epoch with the overhead; 300 - 60 - 15 s left
+    epochs, why = budget_epochs(DemoConfig(), cpu, elapsed_s=60, images_per_s=2000)
+    assert epochs == 17 and "17 epochs" in why and "5 minutes" in why
+    assert budget_epochs(DemoConfig(), torch.device("cuda"), 70, 60_000)[0] == MIN_EPOCHS  # a GPU's minute is spent
+    assert budget_epochs(DemoConfig(minutes=60), cpu, 60, 2000)[0] == MAX_EPOCHS

@@ -223,7 +223,10 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument("--out", default="trainfast-demo", help="output folder (default: trainfast-demo)")
     dm.add_argument("--quick", action="store_true", help="small and short: a smoke run")
     dm.add_argument("--train", type=int, help="training plates (default: 20000; quick: 1500)")
-    dm.add_argument("--epochs", type=int, help="training epochs (default: 10; quick: 2)")
+    dm.add_argument("--epochs", type=int,
+                    help="training epochs (default: as many as the time budget allows, 10 to 40; quick: 2)")
+    dm.add_argument("--minutes", type=float,
+                    help="the demo's time budget, from which the epochs follow (default: 5 on a CPU, 1 on a GPU)")
     dm.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
 
     mp = sub.add_parser(
@@ -405,7 +408,7 @@ def _cmd_demo(a) -> ExitStatus:
     cfg = DemoConfig(out=a.out, device=a.device)
     if a.quick:
         cfg = replace(cfg, **QUICK)
-    cfg = replace(cfg, **{k: v for k, v in (("train", a.train), ("epochs", a.epochs)) if v})
+    cfg = replace(cfg, **{k: v for k, v in (("train", a.train), ("epochs", a.epochs), ("minutes", a.minutes)) if v})
     run_demo(cfg, log=lambda msg: print(msg, file=sys.stderr))
     return ExitStatus.OK
 

@@ -14,10 +14,9 @@ timed round-robin twice more, so that a slow spell of a shared machine falls on 
 the best median of its timings wins, so that one lucky timing does not; (6) torch.compile
 of the winner (its compile time reported apart; on CUDA with CUDA graphs). A candidate
 counts only if its loss on the same first batch, from the same weights, is finite and
-within 5% of fp32's. Each timing
-runs at least `steps` steps and at least `min_seconds` of them, issued back to back and
-synchronised once, as training issues them, so that small, fast steps are not timed over a
-few milliseconds. On CUDA the trials use cudnn.benchmark and a fused SGD, as fit does.
+within 5% of fp32's. Each timing runs at least `steps` steps and at least `min_seconds` of
+them, issued back to back and synchronised once, as training issues them, so that small,
+fast steps are not timed over a few milliseconds. On CUDA the trials use cudnn.benchmark and a fused SGD, as fit does.
 """
 
 from __future__ import annotations
@@ -277,7 +276,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     precisions = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"]
     for p in precisions:
         for cl in (False, True):
-            if (p, cl) != ("fp32", False) and (p != "tf32" or "tf32" in hardware.fast_precisions(dev)):
+            if (p, cl) != ("fp32", False):
                 run(Speed(p, cl, batch_size=start_batch))
 
     def sound(t: Trial) -> bool:

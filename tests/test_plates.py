@@ -49,3 +49,35 @@ def test_an_interrupted_make_plates_can_be_rerun(tmp_path):
     (tmp_path / "p" / "images" / "000000.jpg").write_bytes(b"half")
     make_plates(tmp_path / "p", 2, workers=1)
     assert (tmp_path / "p" / "labels.csv").read_text().startswith("path,plate,font\n")
+
+
+def test_zero_is_slashed_so_it_cannot_pass_for_o():
+    """Plate fonts tell 0 from O; the DejaVu fonts nearly do not at 64×128, so the generator
+    strikes zero through, in every font."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from trainfast.datasets.plates import _font, _slash_zero, font_paths
+
+    for path in font_paths():
+        font = _font(path, 32)
+        left, top, right, bottom = font.getbbox("0")
+        # a point on the slash, off the centre (DejaVu Sans Mono's own zero has a dot there,
+        # which blurs away at 64×128)
+        on_slash = (round(top + 0.62 * (bottom - top)) + 4, round(left + 0.4 * (right - left)) + 4)
+        plain, slashed = Image.new("L", (64, 64)), Image.new("L", (64, 64))
+        for im in (plain, slashed):
+            ImageDraw.Draw(im).text((4, 4), "0", font=font, fill=255)
+        _slash_zero(ImageDraw.Draw(slashed), path, font, 4, 4, 255)
+        assert np.asarray(plain)[on_slash] == 0, path  # the counter of a plain zero is empty ...
+        assert np.asarray(slashed)[on_slash] == 255, path  # ... and the slash crosses it
+
+
+def test_a_set_knows_what_made_it(tmp_path):
+    from trainfast.datasets.plates import is_current
+
+    out = make_plates(tmp_path / "p", 3, seed=5, workers=1)
+    assert is_current(out, 3, 5)
+    assert not is_current(out, 3, 6) and not is_current(out, 4, 5) and not is_current(tmp_path / "none", 3, 5)
+    (out / "labels.csv").unlink()  # the CSV is the mark of a complete set
+    assert not is_current(out, 3, 5)

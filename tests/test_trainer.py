@@ -347,5 +347,8 @@ def test_sequence_errors_count_positions_pairs_and_groups():
     assert e["per_position"] == [0.75, 0.75, 0.75]
     assert e["confusions"][0] == {"true": "O", "predicted": "0", "count": 2, "share_of_errors": 2 / 3}
     assert e["confusions"][1]["true"] == "I" and e["confusions"][1]["count"] == 1
+    assert e["per_character"] == [{"character": "O", "count": 3, "error_rate": 2 / 3},
+                                  {"character": "I", "count": 5, "error_rate": 1 / 5},
+                                  {"character": "0", "count": 4, "error_rate": 0.0}]
     assert e["groups"] == {"a": {"sequences": 2, "character_accuracy": 5 / 6, "sequence_accuracy": 0.5},
                            "b": {"sequences": 2, "character_accuracy": 4 / 6, "sequence_accuracy": 0.0}}

@@ -32,7 +32,7 @@ from trainfast.data.loader import Loader
 from trainfast.data.naive import PerImageBatches
 from trainfast.data.pack import pack
 from trainfast.data.sources import from_csv
-from trainfast.datasets.plates import make_plates
+from trainfast.datasets.plates import is_current, make_plates
 from trainfast.diagnose import doctor
 from trainfast.diagnose.report import layer_chart, step_chart
 from trainfast.errors import TrainfastError
@@ -145,8 +145,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
 
     with stage("make plate photos"):
         for split, n, seed in (("train", cfg.train, cfg.seed), ("test", cfg.test, cfg.seed + 1)):
-            done = out / f"plates-{split}" / "labels.csv"
-            if not (done.exists() and len(done.read_text().splitlines()) == n + 1):
+            if not is_current(out / f"plates-{split}", n, seed):  # else made by an earlier run, as asked now
                 make_plates(out / f"plates-{split}", n, seed, progress=True)
         log(f"   {cfg.train} training and {cfg.test} held-out photos in {out}/plates-*/")
 
@@ -262,6 +261,12 @@ def _error_lines(e: dict) -> list[str]:
     if e["confusions"]:
         lines.append("most confused (true → read, share of all errors): " + ", ".join(
             f"{c['true']}→{c['predicted']} {c['share_of_errors']:.0%}" for c in e["confusions"][:8]))
+    hardest = [c for c in e.get("per_character", []) if c["error_rate"]][:6]
+    if hardest:
+        others = [c for c in e["per_character"] if c not in hardest]
+        rest = sum(c["error_rate"] * c["count"] for c in others) / max(sum(c["count"] for c in others), 1)
+        lines.append("read worst (share of each character's occurrences misread): " + ", ".join(
+            f"{c['character']} {c['error_rate']:.1%}" for c in hardest) + f"; all others {rest:.1%}")
     for font, g in e.get("groups", {}).items():
         lines.append(f"  {font:24s} {g['sequences']:5d} plates: {g['character_accuracy']:.1%} of characters, "
                      f"{g['sequence_accuracy']:.1%} of plates")

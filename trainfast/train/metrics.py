@@ -23,8 +23,9 @@ def sequence_errors(pred, true, alphabet: str, groups=None, top: int = 10) -> di
     """Where a sequence reader's errors are, from its predictions `pred` and the labels `true`
     ((N, L) integer arrays over `alphabet`): accuracy per character, per whole sequence and per
     position; the `top` most frequent (true, predicted) character pairs among the errors with
-    their share of all errors; and, given a group name per sequence (e.g. the font it was
-    drawn in), the same accuracies per group."""
+    their share of all errors; each character's error rate (the share of its occurrences read
+    wrong, hardest first); and, given a group name per sequence (e.g. the font it was drawn
+    in), the same accuracies per group."""
     import numpy as np
 
     pred, true = np.asarray(pred), np.asarray(true)
@@ -38,7 +39,11 @@ def sequence_errors(pred, true, alphabet: str, groups=None, top: int = 10) -> di
            "character_accuracy": float(hit.mean()), "sequence_accuracy": float(hit.all(1).mean()),
            "per_position": hit.mean(0).tolist(),
            "confusions": [{"true": t, "predicted": p, "count": c, "share_of_errors": c / max(errors, 1)}
-                          for (t, p), c in sorted(pairs.items(), key=lambda kv: -kv[1])[:top]]}
+                          for (t, p), c in sorted(pairs.items(), key=lambda kv: -kv[1])[:top]],
+           "per_character": sorted(({"character": alphabet[k], "count": int((true == k).sum()),
+                                     "error_rate": float(wrong[true == k].mean())}
+                                    for k in range(len(alphabet)) if (true == k).any()),
+                                   key=lambda r: -r["error_rate"])}
     if groups is not None:
         groups = np.asarray(groups)
         out["groups"] = {str(g): {"sequences": int((groups == g).sum()),

@@ -16,14 +16,19 @@ four (or five) ways:
 
     python benchmarks/bench_plates_e2e.py [--count 4000] [--epochs 3] [--runs 3]
     python benchmarks/bench_plates_e2e.py --model plate_net --count 8000 --epochs 8 --target 0.85
+    python benchmarks/bench_plates_e2e.py --model plate_net --count 20000 --heldout 1000 --epochs 30 \
+        --plate-target 0.95 --max-minutes 20 --runs 1
 
 --model plate_cnn (default) is the story's CNN with the story's recipe (Adam 1e-3); it does
 not learn in a few epochs on any pipeline, so it measures speed only. --model plate_net is
 trainfast's better plate reader, written the same way in Keras (keras_models.plate_net), with
 the demo's recipe (AdamW 3e-3, weight decay 5e-4, cosine with 20% warm-up) on every
-pipeline; with --target it also reports the time to that held-out per-character accuracy:
-setup plus the training epochs up to the first whose held-out accuracy reaches it (the
-held-out evaluation after each epoch is not timed, on any pipeline).
+pipeline; with --target (--plate-target) it also reports the time to that held-out
+accuracy of characters (of whole plates): setup plus the training epochs up to the first
+whose held-out accuracy reaches it (the held-out evaluation after each epoch is not timed, on
+any pipeline). --max-minutes stops a contender's training after that much training time (at
+an epoch's end; trainfast, the fastest here, runs its epochs out), and a target first reached
+after it counts as not reached.
 
 Each contender runs in a fresh process; the runs are interleaved so that a slow spell of the
 machine hits them all, and run i seeds every contender with i. The first epoch is reported
@@ -72,19 +77,26 @@ def _rows(root: Path) -> tuple[list[str], list[list[int]]]:
     return [str(root / r["path"]) for r in rows], [[ALPHABET.index(c) for c in r["plate"]] for r in rows]
 
 
-def _keras_fit(model, train, val, epochs: int, recipe: dict, steps_per_epoch: int) -> dict:
+def _accuracies(hits) -> tuple[float, float]:
+    """Held-out accuracy of characters and of whole plates, from (plates, 8) booleans."""
+    return float(hits.mean()), float(hits.all(1).mean())
+
+
+def _result(times: list[float], accs: list[tuple[float, float]]) -> dict:
+    return {"epochs_s": times, "val_char_acc": [c for c, _ in accs], "val_plate_acc": [p for _, p in accs]}
+
+
+def _keras_fit(model, train, val, epochs: int, recipe: dict, steps_per_epoch: int, max_s: float) -> dict:
     """fit with per-epoch times and, after each epoch (untimed), the held-out per-character accuracy."""
     import keras
     import numpy as np
 
-    def accuracy() -> float:
-        right = total = 0
+    def accuracy() -> tuple[float, float]:
+        hits = []
         batches = (val[i] for i in range(len(val))) if isinstance(val, keras.utils.PyDataset) else val
         for x, y in batches:
-            pred = np.argmax(np.asarray(model.predict_on_batch(x)), -1)
-            right += int((pred == np.asarray(y)).sum())
-            total += int(np.asarray(y).size)
-        return right / total
+            hits.append(np.argmax(np.asarray(model.predict_on_batch(x)), -1) == np.asarray(y))
+        return _accuracies(np.concatenate(hits))
 
     times, accs = [], []
 
@@ -95,6 +107,8 @@ def _keras_fit(model, train, val, epochs: int, recipe: dict, steps_per_epoch: in
         def on_epoch_end(self, epoch, logs=None):
             times.append(time.perf_counter() - self.t)
             accs.append(accuracy())
+            if sum(times) > max_s:
+                self.model.stop_training = True
 
     lr = recipe["lr"]
     if recipe["schedule"] == "cosine":
@@ -105,24 +119,25 @@ def _keras_fit(model, train, val, epochs: int, recipe: dict, steps_per_epoch: in
            else keras.optimizers.Adam(lr))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(train, epochs=epochs, verbose=0, callbacks=[PerEpoch()])
-    return {"epochs_s": times, "val_char_acc": accs}
+    return _result(times, accs)
 
 
 def _steps(root: Path) -> int:
     return math.ceil(len(_rows(root)[0]) / BATCH)
 
 
-def keras_sequence(train: Path, val: Path, epochs: int, model: str, seed: int) -> dict:
+def keras_sequence(train: Path, val: Path, epochs: int, model: str, seed: int, max_s: float) -> dict:
     import keras
     from keras_models import build_plain  # puts examples/ on sys.path
     from keras_plates import PlateSequence
 
     keras.utils.set_random_seed(seed)
     return _keras_fit(build_plain(model, "float32"), PlateSequence(str(train), BATCH),
-                      PlateSequence(str(val), BATCH), epochs, RECIPES[model], _steps(train))
+                      PlateSequence(str(val), BATCH), epochs, RECIPES[model], _steps(train), max_s)
 
 
-def keras_tfdata(train: Path, val: Path, epochs: int, model: str, seed: int, policy: str = "mixed_bfloat16") -> dict:
+def keras_tfdata(train: Path, val: Path, epochs: int, model: str, seed: int, max_s: float,
+                 policy: str = "mixed_bfloat16") -> dict:
     import keras
     import tensorflow as tf
     from keras_models import build_plain
@@ -142,10 +157,10 @@ def keras_tfdata(train: Path, val: Path, epochs: int, model: str, seed: int, pol
         return ds.batch(BATCH).prefetch(tf.data.AUTOTUNE)
 
     return _keras_fit(build_plain(model, policy), dataset(train, True), dataset(val, False), epochs,
-                      RECIPES[model], _steps(train))
+                      RECIPES[model], _steps(train), max_s)
 
 
-def torch_dataloader(train: Path, val: Path, epochs: int, model: str, seed: int) -> dict:
+def torch_dataloader(train: Path, val: Path, epochs: int, model: str, seed: int, max_s: float) -> dict:
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -171,14 +186,10 @@ def torch_dataloader(train: Path, val: Path, epochs: int, model: str, seed: int)
         return torch.utils.data.DataLoader(Photos(root), batch_size=BATCH, shuffle=shuffle, num_workers=2,
                                            persistent_workers=True)
 
-    def accuracy() -> float:
-        right = total = 0
+    def accuracy() -> tuple[float, float]:
         net.eval()
         with torch.no_grad():
-            for x, y in val_dl:
-                right += int((net(x).argmax(-1) == y).sum())
-                total += y.numel()
-        return right / total
+            return _accuracies(torch.cat([net(x).argmax(-1) == y for x, y in val_dl]).numpy())
 
     torch.manual_seed(seed)
     recipe = RECIPES[model]
@@ -201,7 +212,9 @@ def torch_dataloader(train: Path, val: Path, epochs: int, model: str, seed: int)
             sched.step()
         times.append(time.perf_counter() - t)
         accs.append(accuracy())
-    return {"epochs_s": times, "val_char_acc": accs}
+        if sum(times) > max_s:
+            break
+    return _result(times, accs)
 
 
 def trainfast_run(train: Path, val: Path, epochs: int, model: str, seed: int, work: Path) -> dict:
@@ -225,7 +238,8 @@ def trainfast_run(train: Path, val: Path, epochs: int, model: str, seed: int, wo
     with tempfile.TemporaryDirectory() as run_dir:
         r = trainfast.fit(model, packs[0], packs[1], config=cfg, speed=speed, run_dir=run_dir,
                           progress=False, log=lambda *a, **k: None)
-    return {"epochs_s": [row["seconds"] for row in r.history], "val_char_acc": [row["val_acc"] for row in r.history],
+    return {**_result([row["seconds"] for row in r.history],
+                      [(row["val_acc"], row["val_seq_acc"]) for row in r.history]),
             "pack_s": pack_s, "tune_s": tune_s, "settings": r.speed.label()}
 
 
@@ -233,48 +247,57 @@ def _worker(kind: str, a) -> dict:
     train, val = a.data / "train", a.data / "heldout"
     if kind == "trainfast":
         return trainfast_run(train, val, a.epochs, a.model, a.seed, a.data)
+    max_s = a.max_minutes * 60 if a.max_minutes else math.inf
     if kind == "keras-tfdata-fp32":
-        return keras_tfdata(train, val, a.epochs, a.model, a.seed, policy="float32")
+        return keras_tfdata(train, val, a.epochs, a.model, a.seed, max_s, policy="float32")
     run = {"keras-sequence": keras_sequence, "keras-tfdata": keras_tfdata, "torch-dataloader": torch_dataloader}[kind]
-    return run(train, val, a.epochs, a.model, a.seed)
+    return run(train, val, a.epochs, a.model, a.seed, max_s)
 
 
 def _child(kind: str, a, seed: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--data", str(a.data), "--epochs", str(a.epochs),
-           "--model", a.model, "--seed", str(seed)]
+           "--model", a.model, "--seed", str(seed), "--max-minutes", str(a.max_minutes or 0)]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     if p.returncode:
         sys.exit(f"{kind} failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def _to_target(r: dict, target: float) -> float | None:
-    """Setup plus the training epochs up to the first that reaches `target` held-out accuracy; None if none does."""
-    for i, acc in enumerate(r["val_char_acc"]):
+def _to_target(r: dict, target: float, key: str = "val_char_acc", max_s: float = math.inf) -> float | None:
+    """Setup plus the training epochs up to the first that reaches `target` held-out accuracy
+    (r[key]) within max_s of training; None if none does."""
+    for i, acc in enumerate(r[key]):
+        trained = sum(r["epochs_s"][:i + 1])
+        if trained > max_s:
+            return None
         if acc >= target:
-            return r.get("pack_s", 0.0) + sum(r["epochs_s"][:i + 1])
+            return r.get("pack_s", 0.0) + trained
     return None
 
 
 def _data(a) -> tuple[Path, Path]:
-    from trainfast.datasets.plates import make_plates
+    from trainfast.datasets.plates import is_current, make_plates
 
     train, val = a.data / "train", a.data / "heldout"
-    for root, count, seed in ((train, a.count, 1), (val, max(a.count // 5, BATCH), 2)):
-        if not (root / "labels.csv").exists():
-            make_plates(root, count=count, seed=seed)
+    for root, count, seed in ((train, a.count, 1), (val, a.heldout or max(a.count // 5, BATCH), 2)):
+        if not is_current(root, count, seed):
+            make_plates(root, count=count, seed=seed, progress=True)
     return train, val
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("bench-data/plates-e2e"), help="made here if missing")
-    p.add_argument("--count", type=int, default=4000, help="training photos (held out: a fifth as many)")
+    p.add_argument("--count", type=int, default=4000, help="training photos")
+    p.add_argument("--heldout", type=int, help="held-out photos (default: a fifth of --count)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--model", choices=list(RECIPES), default="plate_cnn",
                    help="plate_cnn: the story's model and recipe; plate_net: trainfast's, which learns")
     p.add_argument("--target", type=float, help="also report the time to this held-out per-character accuracy")
+    p.add_argument("--plate-target", type=float, help="also report the time to this held-out whole-plate accuracy")
+    p.add_argument("--max-minutes", type=float, help="stop each contender's training after this many minutes "
+                   "(at an epoch's end); a target reached later counts as not reached")
     p.add_argument("--kinds", nargs="+", choices=KINDS,
                    help="default: the Sequence, one Keras tf.data (mixed_bfloat16 where the CPU has bf16 "
                         "instructions, else fp32), the DataLoader and trainfast")
@@ -283,8 +306,9 @@ def main():
     a = p.parse_args()
     if a.epochs < 2:
         p.error("--epochs must be at least 2: the first epoch is reported apart")
-    if a.target is not None and not 0 < a.target < 1:
-        p.error(f"--target is a held-out accuracy between 0 and 1, not {a.target}")
+    for name, value in (("--target", a.target), ("--plate-target", a.plate_target)):
+        if value is not None and not 0 < value < 1:
+            p.error(f"{name} is a held-out accuracy between 0 and 1, not {value}")
     sys.path.insert(0, str(HERE))
     if a.worker:
         print(json.dumps(_worker(a.worker, a)))
@@ -307,37 +331,48 @@ def main():
             results[kind].append(r)
             print(f"# run {run + 1} {kind}: epochs {', '.join(f'{s:.1f}' for s in r['epochs_s'])} s"
                   + (f"; pack {r['pack_s']:.1f} s, tune {r['tune_s']:.1f} s" if "pack_s" in r else "")
-                  + f"; held-out char acc {', '.join(f'{x:.1%}' for x in r['val_char_acc'])}", flush=True)
+                  + f"; held-out char acc {', '.join(f'{x:.1%}' for x in r['val_char_acc'])}"
+                  + f"; plates {', '.join(f'{x:.1%}' for x in r['val_plate_acc'])}", flush=True)
 
     def med(kind, f):
         return statistics.median(f(r) for r in results[kind])
 
+    max_s = a.max_minutes * 60 if a.max_minutes else math.inf
+    targets = [(f"to {t:.0%} {what}", t, key) for t, what, key in
+               ((a.target, "chars", "val_char_acc"), (a.plate_target, "plates", "val_plate_acc")) if t is not None]
     rows = {}
     for kind in a.kinds:
-        first = med(kind, lambda r: r["epochs_s"][0])
-        epoch = med(kind, lambda r: statistics.median(r["epochs_s"][1:]))
-        setup = med(kind, lambda r: r.get("pack_s", 0.0))
-        rows[kind] = {"first": first, "epoch": epoch, "setup": setup, "total": setup + first + epoch * (a.epochs - 1),
-                      "acc": med(kind, lambda r: r["val_char_acc"][-1])}
-        if a.target is not None:
-            reached = [t for t in (_to_target(r, a.target) for r in results[kind]) if t is not None]
+        rows[kind] = {"setup": med(kind, lambda r: r.get("pack_s", 0.0)),
+                      "first": med(kind, lambda r: r["epochs_s"][0]),
+                      "epoch": med(kind, lambda r: statistics.median(r["epochs_s"][1:])),
+                      "epochs": med(kind, lambda r: len(r["epochs_s"])),
+                      "total": med(kind, lambda r: r.get("pack_s", 0.0) + sum(r["epochs_s"])),
+                      "acc": med(kind, lambda r: r["val_char_acc"][-1]),
+                      "plates": med(kind, lambda r: r["val_plate_acc"][-1])}
+        for name, t, key in targets:
+            reached = [x for x in (_to_target(r, t, key, max_s) for r in results[kind]) if x is not None]
             # the median over the runs, counting a run that never got there as slower than any that did
-            rows[kind]["to_target"] = (statistics.median(reached + [math.inf] * (len(results[kind]) - len(reached)))
-                                       if reached else math.inf)
-            rows[kind]["reached"] = f"{len(reached)}/{len(results[kind])}"
+            rows[kind][name] = (statistics.median(reached + [math.inf] * (len(results[kind]) - len(reached)))
+                                if reached else math.inf, f"{len(reached)}/{len(results[kind])}")
     base = rows.get("keras-sequence") or next(iter(rows.values()))
-    target_head = f" {f'to {a.target:.0%} s':>9s} {'runs there':>10s} {'vs Sequence':>11s}" if a.target else ""
-    print(f"\n{'pipeline':18s} {'setup s':>8s} {'epoch 1 s':>9s} {'epoch s':>8s} {'img/s':>7s} "
-          f"{f'{a.epochs} epochs s':>11s} {'vs Sequence':>11s} {'held-out acc':>12s}{target_head}")
+    head = (f"\n{'pipeline':18s} {'setup s':>8s} {'epoch 1 s':>9s} {'epoch s':>8s} {'img/s':>7s} {'epochs':>6s} "
+            f"{'in all s':>9s} {'vs Sequence':>11s} {'chars':>6s} {'plates':>6s}")
+    for name, _, _ in targets:
+        head += f" {name + ' s':>16s} {'runs':>4s} {'vs Sequence':>11s}"
+    print(head)
     for kind, r in rows.items():
         line = (f"{kind:18s} {r['setup']:8.1f} {r['first']:9.1f} {r['epoch']:8.1f} {a.count / r['epoch']:7,.0f} "
-                f"{r['total']:11.1f} {base['total'] / r['total']:10.2f}× {r['acc']:12.1%}")
-        if a.target:
-            when = f"{r['to_target']:9.1f}" if math.isfinite(r["to_target"]) else f"{'never':>9s}"
-            both = math.isfinite(r["to_target"]) and math.isfinite(base["to_target"])
-            ratio = f"{base['to_target'] / r['to_target']:10.2f}×" if both else f"{'—':>11s}"
-            line += f" {when} {r['reached']:>10s} {ratio}"
+                f"{r['epochs']:6g} {r['total']:9.1f} {base['total'] / r['total']:10.2f}× {r['acc']:6.1%} "
+                f"{r['plates']:6.1%}")
+        for name, _, _ in targets:
+            (when, runs), (base_when, _) = r[name], base[name]
+            shown = f"{when:16.1f}" if math.isfinite(when) else f"{'not reached':>16s}"
+            ratio = f"{base_when / when:10.2f}×" if math.isfinite(when) and math.isfinite(base_when) else f"{'—':>11s}"
+            line += f" {shown} {runs:>4s} {ratio}"
         print(line)
+    if a.max_minutes:
+        print(f"# --max-minutes {a.max_minutes:g}: each contender but trainfast stopped training at the end of the "
+              f"first epoch past {a.max_minutes:g} minutes; \"not reached\" means not within them")
     if "trainfast" in results:
         print(f"# trainfast settings: {results['trainfast'][0]['settings']}; tune took "
               f"{results['trainfast'][0]['tune_s']:.1f} s in the first run (near 0 when this machine's choice "

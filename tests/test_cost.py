@@ -48,3 +48,37 @@ def test_failing_model_names_layer_and_shapes():
     except ValueError as e:
         msg = str(e)
     assert "layer 2 (Linear)" in msg and "(7200,)" in msg and "(3, 32, 32)" in msg
+
+
+def test_outputs_no_image_changes_are_found_dead():
+    """plate_cnn's story: each position read from one ReLU'd number; a position whose number is
+    negative for every image is dead (its output constant), and training cannot revive it."""
+    import torch
+
+    from trainfast.diagnose.cost import constant_outputs
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scalar = nn.Linear(12, 4)
+            self.per_position = nn.Linear(1, 5)
+
+        def forward(self, x):
+            return self.per_position(torch.relu(self.scalar(x.flatten(1))).unsqueeze(-1))  # (B, 4, 5)
+
+    net = Head().train()
+    x = torch.rand(16, 3, 2, 2)
+    with torch.no_grad():
+        net.scalar.weight[1:3].fill_(-1.0)  # inputs are ≥ 0: positions 2 and 3 are negative for every image
+    found = constant_outputs(net, x)
+    assert len(found) == 1 and "at 2 of 4 positions (2, 3)" in found[0] and "16 training images" in found[0]
+    assert net.training  # its mode is restored
+    with torch.no_grad():
+        net.scalar.weight.fill_(1.0)
+    assert constant_outputs(net, x) == []
+    assert constant_outputs(nn.Sequential(nn.Flatten(), nn.Linear(12, 3)), x) == []  # a classifier that sees its input
+    dead = nn.Sequential(nn.Flatten(), nn.Linear(12, 3), nn.ReLU(), nn.Linear(3, 2))
+    with torch.no_grad():
+        dead[1].bias.fill_(-100.0)
+    assert "output  is the same" not in constant_outputs(dead, x)[0]  # no empty "at … positions"
+    assert "the model's output is the same for all 16" in constant_outputs(dead, x)[0]

@@ -46,10 +46,11 @@ def test_the_plate_model_learns_plates_with_the_defaults(plate_packs, tmp_path):
 
 @pytest.mark.slow
 def test_the_users_plate_cnn_is_stopped_and_told_why(plate_packs, tmp_path):
-    """plate_cnn's head reads each character from one number: it stays at chance, and the loss
-    watch stops it naming that bottleneck (the doctor's finding)."""
+    """plate_cnn's head reads each character from one ReLU'd number: those numbers die (zero for
+    every image, no gradient), it stays at chance, and the loss watch stops it naming the
+    measured dead outputs and the bottleneck (the doctor's findings)."""
     train, test = plate_packs
-    with pytest.raises(trainfast.TrainfastError, match="not left chance.*width-1 bottleneck"):
+    with pytest.raises(trainfast.TrainfastError, match="not left chance.*is the same for all.*width-1 bottleneck"):
         fit("plate_cnn", train, test, epochs=6, device="cpu", run_dir=tmp_path / "r", **QUIET)
 
 

@@ -22,7 +22,9 @@ def test_quick_demo_end_to_end(tmp_path, capsys, device):
     assert e["character_accuracy"] == pytest.approx(s["per_character_accuracy"], abs=0.01)
     assert e["sequence_accuracy"] == pytest.approx(s["whole_plate_accuracy"], abs=0.01)
     assert sum(g["sequences"] for g in e["groups"].values()) == s["config"]["test"]
-    assert "Where the errors are" in page and "most confused" in err
+    assert "Where the errors are" in page and "most confused" in err and "read worst" in err
+    made = [json.loads((out / f"plates-{split}" / "plates.json").read_text()) for split in ("train", "test")]
+    assert [(m["count"], m["seed"]) for m in made] == [(s["config"]["train"], 0), (s["config"]["test"], 1)]
 
 
 def test_the_demo_writes_only_into_a_folder_of_its_own(tmp_path, capsys):

@@ -210,6 +210,17 @@ def test_a_budget_bounds_the_tune_and_says_what_it_left_out(monkeypatch):
     assert not again.cached
 
 
+def test_a_time_bound_holds_alone_or_with_the_share(monkeypatch):
+    slow = _one_second_trials(monkeypatch)
+    r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=slow, max_seconds=3, retune=True,
+             log=lambda m: None)
+    assert r.budget_s == 3 and 3 <= len([t for t in r.rows if t.images_per_s]) <= 4 and r.not_timed
+    slow = _one_second_trials(monkeypatch)
+    r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=slow, planned_images=4_000, budget_share=0.1,
+             max_seconds=30, retune=True, log=lambda m: None)
+    assert r.budget_s == 4.0  # the share's 4 s is the tighter bound
+
+
 def test_the_first_batch_is_sized_to_the_models_cost_on_a_cpu():
     from trainfast.models import create
     cpu = torch.device("cpu")

@@ -228,6 +228,9 @@ def _parser() -> argparse.ArgumentParser:
     dm.add_argument("--minutes", type=float,
                     help="the demo's time budget, from which the epochs follow (default: 5 on a CPU, 1 on a GPU)")
     dm.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    dm.add_argument("--seed", type=int, default=0,
+                    help="seed of the plates (training: SEED, held-out: SEED+1) and of the training (default: 0); "
+                         "run a few to see the spread")
 
     mp = sub.add_parser(
         "make-plates", help="generate synthetic license-plate photos",
@@ -405,7 +408,7 @@ def _cmd_demo(a) -> ExitStatus:
 
     from trainfast.demo import QUICK, DemoConfig, run_demo
 
-    cfg = DemoConfig(out=a.out, device=a.device)
+    cfg = DemoConfig(out=a.out, device=a.device, seed=a.seed)
     if a.quick:
         cfg = replace(cfg, **QUICK)
     cfg = replace(cfg, **{k: v for k, v in (("train", a.train), ("epochs", a.epochs), ("minutes", a.minutes)) if v})

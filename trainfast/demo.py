@@ -90,6 +90,11 @@ BUDGET_MINUTES = {"cpu": 5.0, "cuda": 1.0}  # the whole demo, on this kind of de
 MIN_EPOCHS, MAX_EPOCHS = 10, 40
 EPOCH_OVERHEAD = 1.3  # an epoch's wall time over images / tune's rate (validation, augmentation, the Loader)
 RESERVE_S = 15.0  # kept for the final evaluation and the report
+TUNE_SHARE = 0.25  # of the demo's budget, at most, for tune (on an H200 an unbounded tune took 47 s of 60)
+
+
+def budget_minutes(cfg: "DemoConfig", device: torch.device) -> float:
+    return cfg.minutes or BUDGET_MINUTES.get(device.type, BUDGET_MINUTES["cpu"])
 
 
 def budget_epochs(cfg: "DemoConfig", device: torch.device, elapsed_s: float, images_per_s: float) -> tuple[int, str]:
@@ -97,7 +102,7 @@ def budget_epochs(cfg: "DemoConfig", device: torch.device, elapsed_s: float, ima
 
     On 2 cores the plate reader gained from more epochs: 98.4% / 88.8% of held-out characters /
     whole plates after 10 (median of 3 seeds), 99.0% / 92.2% after 16 (seed 0)."""
-    minutes = cfg.minutes or BUDGET_MINUTES.get(device.type, BUDGET_MINUTES["cpu"])
+    minutes = budget_minutes(cfg, device)
     epoch_s = cfg.train / images_per_s * EPOCH_OVERHEAD
     left = minutes * 60 - elapsed_s - RESERVE_S
     epochs = int(min(MAX_EPOCHS, max(MIN_EPOCHS, left // epoch_s)))
@@ -172,6 +177,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
 
     with stage("tune plate_net on this machine (torch.compile left out to keep the demo short)"):
         tuned = tune(models.create("plate_net"), (3, 64, 128), device=cfg.device, max_batch=data_max_batch(cfg.train),
+                     max_seconds=TUNE_SHARE * 60 * budget_minutes(cfg, torch.device(before.system["device"])),
                      try_compile=False, log=lambda m: log("   " + m))
         log(tuned.table())
         speed = _recipe_batch_unless_faster(tuned, log)

@@ -209,7 +209,7 @@ def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, m
 
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
          max_batch: int | None = None, planned_images: int | None = None, budget_share: float = 0.0,
-         try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
+         max_seconds: float | None = None, try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
          measure: Callable[..., Trial] | None = None, log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
@@ -220,6 +220,8 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         planned_images, budget_share: bound the tune to budget_share of the training it serves,
             planned_images at the first setting's rate; what the bound leaves out is reported,
             and a search cut short is not cached.
+        max_seconds: a bound on the tune's own time, from its start (the tighter of the two
+            bounds holds when both are given).
         try_compile: include torch.compile of the winner (slow to compile on CPU).
         try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
         measure: replaces measure_trial (tests inject a fake clock here).
@@ -244,7 +246,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             out_shape = tuple(copy.deepcopy(model).eval()(torch.zeros(1, *input_shape)).shape[1:])
     rows: list[Trial] = []
     not_timed: list[str] = []
-    budget: list[float] = []  # set once the first setting's rate is known
+    budget: list[float] = [max_seconds] if max_seconds else []  # tightened once the first setting's rate is known
 
     def run(speed: Speed) -> Trial:
         if budget and _clock() - started > budget[0]:
@@ -270,9 +272,12 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     if ref.images_per_s is None:
         raise TrainfastError(f"the model does not train at all on {dev}: {ref.note}")
     if planned_images and budget_share:
-        budget.append(budget_share * planned_images / ref.images_per_s)
-        log(f"  (tune budget: {budget[0]:.1f} s, {budget_share:.0%} of ~{planned_images / ref.images_per_s:.0f} s "
-            f"of training at this first rate)")
+        share = budget_share * planned_images / ref.images_per_s
+        budget[:] = [min([share, *budget])]
+        log(f"  (tune budget: {budget[0]:.1f} s; {budget_share:.0%} of ~{planned_images / ref.images_per_s:.0f} s "
+            f"of training at this first rate is {share:.1f} s)")
+    elif budget:
+        log(f"  (tune budget: {budget[0]:.1f} s)")
     precisions = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32", "bf16"]
     for p in precisions:
         for cl in (False, True):

@@ -27,7 +27,7 @@ from trainfast.data.format import Pack, is_pack
 from trainfast.data.loader import Loader
 from trainfast.data.naive import PerImageBatches
 from trainfast.data.sources import Source, open_source
-from trainfast.diagnose.cost import ModelCost, layer_costs
+from trainfast.diagnose.cost import ModelCost, constant_outputs, layer_costs
 from trainfast.diagnose.storage import read_throughput, storage_sentence
 from trainfast.diagnose.timing import StepTimes, step_breakdown, synthetic_batches, throughput
 from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, roofline, verdict
@@ -162,6 +162,9 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
         cost = layer_costs(copy.deepcopy(net), shape)
     except ValueError as e:
         raise TrainfastError(str(e)) from None
+    if pk is not None or isinstance(batches, PerImageBatches):  # data that can be read twice
+        x = next(iter(batches))[0]
+        cost.findings = constant_outputs(copy.deepcopy(net).cpu().float(), x.cpu().float()) + cost.findings
     log(f"timing {steps} training steps on {described}…")
     with hardware.OtherLoad() as load:
         times = step_breakdown(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=warmup)

@@ -172,3 +172,34 @@ def structural_findings(cost: ModelCost) -> list[str]:
                        f"{first.flops / max(cost.forward_flops, 1):.0%} of the FLOPs; check whether a smaller "
                        "input resolution loses any accuracy")
     return out
+
+
+def constant_outputs(net: nn.Module, x: torch.Tensor, when: str = "") -> list[str]:
+    """A measured finding: the model's outputs that are the same for every image of the batch
+    `x` (images that differ). Nothing upstream reaches such an output, so training cannot move
+    it; in a ReLU network that is a dead unit (its input negative for every image: no
+    gradient). Run in eval mode on `net` itself, without gradients; its mode is restored."""
+    if len(x) < 2:
+        return []
+    was_training = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            out = net(x).float()
+    except Exception:  # noqa: BLE001 - a finding is a bonus: a model that will not run here gets none
+        return []
+    finally:
+        net.train(was_training)
+    if out.dim() < 2 or not torch.isfinite(out).all():
+        return []
+    spread = (out - out[:1]).abs().amax(dim=0)  # per output element, across the batch
+    scale = 1e-5 * (1 + out.abs().amax(dim=0))
+    still = (spread <= scale).flatten(1).all(1) if out.dim() >= 3 else (spread <= scale).all().reshape(1)
+    if not still.any():
+        return []
+    where = (f" at {int(still.sum())} of {len(still)} positions "
+             f"({', '.join(str(int(i) + 1) for i in still.nonzero().flatten())})" if out.dim() >= 3 else "")
+    return [f"{when}the model's output{where} is the same for all {len(x)} training images it was shown: "
+            "nothing upstream reaches it, so no learning rate can move it (in a ReLU network, units whose input "
+            "is negative for every image are dead and pass no gradient); a normalisation layer before the "
+            "activation, or keeping a feature vector per output instead of one number, avoids it"]

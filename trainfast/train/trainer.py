@@ -466,14 +466,17 @@ def _classes(net) -> int:
     return int(out[-1]) if out else 0
 
 
-def _findings(net, pk: Pack) -> list[str]:
-    """The doctor's structural findings about `net` (counted on a copy, on the CPU)."""
-    from trainfast.diagnose.cost import layer_costs
+def _findings(net, pk: Pack, x: torch.Tensor) -> list[str]:
+    """The doctor's findings about `net`: outputs that training images do not change (measured
+    on the batch `x`, on the model as trained so far), then its structure (counted on a copy,
+    on the CPU)."""
+    from trainfast.diagnose.cost import constant_outputs, layer_costs
     h, w, c = pk.shape
+    found = constant_outputs(net, x, when="now ")
     try:
-        return layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w)).findings
-    except Exception:  # noqa: BLE001 - a model the counter cannot trace: no findings, still a message
-        return []
+        return found + layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w)).findings
+    except Exception:  # noqa: BLE001 - a model the counter cannot trace: no structural findings, still a message
+        return found
 
 
 def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findings: list[str],
@@ -710,7 +713,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     break
                 watch = (state["losses"], cfg.epochs, _classes(net), lr)
                 if cfg.loss_watch and loss_watch(*watch, [], state["step"]):
-                    why = loss_watch(*watch, _findings(net, train_pk), state["step"])
+                    why = loss_watch(*watch, _findings(net, train_pk, loader.batch(0, epoch=epoch)[0]),
+                                     state["step"])
                     if state["epoch"] < cfg.epochs:  # epochs left: stop rather than spend them
                         raise TrainfastError(f"{why} Stopped; the run so far is in {run_dir}.")
                     say(f"warning: {why}")

@@ -30,6 +30,7 @@ SUITE = {  # name: benchmarks/bench_SCRIPT.py and its arguments
                                     "--kinds", "keras-sequence", "keras-tfdata", "trainfast",
                                     "--data", "bench-data/plates-95"]),
     "quality": ("quality", []),
+    "defaults": ("defaults", []),
 }
 
 

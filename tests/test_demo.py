@@ -37,19 +37,20 @@ def test_the_demo_writes_only_into_a_folder_of_its_own(tmp_path, capsys):
     assert (mine / "run" / "thesis.tex").read_text() == "years of work" and sorted(p.name for p in mine.iterdir()) == ["run"]
 
 
-def test_the_demo_trains_at_the_recipes_batch_unless_a_larger_one_is_clearly_faster():
+def test_a_larger_batch_is_taken_only_where_it_is_clearly_faster():
     from trainfast.config import Speed
-    from trainfast.demo import _recipe_batch_unless_faster
-    from trainfast.tuning import Trial, TuneResult
+    from trainfast.tuning import Trial, TuneResult, more_steps_unless_faster
 
-    def result(rate_256):
+    def result(rate_128, rate_256):
         best = Speed("bf16", True, batch_size=256)
-        rows = [Trial(Speed("bf16", True, batch_size=64), 1000.0, 1.0), Trial(best, rate_256, 1.0)]
+        rows = [Trial(Speed("bf16", True, batch_size=64), 1000.0, 1.0), Trial(Speed("fp32", batch_size=32), 900.0, 1.0),
+                Trial(Speed("bf16", True, batch_size=128), rate_128, 1.0), Trial(best, rate_256, 1.0)]
         return TuneResult(best, rows)
-    said = []
-    assert _recipe_batch_unless_faster(result(1110.0), said.append).batch_size == 64  # 2 CPU cores: 1.11×
-    assert "1.11×" in said[0]
-    assert _recipe_batch_unless_faster(result(4000.0), said.append).batch_size == 256  # a GPU: 4×
+    speed, why = more_steps_unless_faster(result(1050.0, 1110.0), floor=1)  # 2 CPU cores: 256 is 1.11× 64
+    assert speed.batch_size == 64 and speed.precision == "bf16" and "1.11×" in why
+    assert more_steps_unless_faster(result(1050.0, 1110.0), floor=128)[0].batch_size == 128  # the recipe's batch
+    assert more_steps_unless_faster(result(2000.0, 2400.0), floor=1)[0].batch_size == 128  # 2.4× 64, 1.2× 128
+    assert more_steps_unless_faster(result(2000.0, 4000.0), floor=1) == (result(0, 0).best, None)  # a GPU: 2× 128
 
 
 def test_the_demo_fills_its_time_budget_with_epochs():

@@ -39,34 +39,9 @@ from trainfast.errors import TrainfastError
 from trainfast.train import fit
 from trainfast.train.distributed import World
 from trainfast.train.trainer import data_max_batch, evaluate
-from trainfast.tuning import tune
+from trainfast.tuning import more_steps_unless_faster, tune
 
 LR, LR_BATCH = 3e-3, 64  # plate_net's AdamW learning rate, measured at batch 64 (docs/MODELS.md)
-BATCH_GAIN = 1.3
-"""The demo trains at a larger batch than the recipe's only if tune measured it this much faster."""
-
-
-def _recipe_batch_unless_faster(tuned, log) -> Speed:
-    """tune's settings, at the recipe's batch unless the chosen batch is BATCH_GAIN× faster.
-
-    With a fixed number of epochs, a larger batch means fewer optimizer steps: on 2 CPU cores
-    batch 256 ran 1.11× the images/s of 64 and ended at 94.5% / 66.7% held-out (characters /
-    plates) against 95.1% / 69.6%. On a GPU a larger batch is several times faster."""
-    rates: dict[str, list[float]] = {}
-    for r in tuned.rows:
-        if r.images_per_s:
-            rates.setdefault(r.speed.label(), []).append(r.images_per_s)
-    best, recipe = tuned.best, replace(tuned.best, batch_size=LR_BATCH)
-    if best.batch_size == LR_BATCH or recipe.label() not in rates:
-        return best
-    gain = statistics.median(rates[best.label()]) / statistics.median(rates[recipe.label()])
-    if gain >= BATCH_GAIN:
-        return best
-    log(f"   batch {best.batch_size} is only {gain:.2f}× batch {LR_BATCH}'s rate here: training at {LR_BATCH} "
-        f"(more steps per epoch)")
-    return recipe
-
-
 @dataclass
 class DemoConfig:
     out: str = "trainfast-demo"
@@ -180,7 +155,9 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
                      max_seconds=TUNE_SHARE * 60 * budget_minutes(cfg, torch.device(before.system["device"])),
                      try_compile=False, log=lambda m: log("   " + m))
         log(tuned.table())
-        speed = _recipe_batch_unless_faster(tuned, log)
+        speed, why = more_steps_unless_faster(tuned, floor=LR_BATCH)
+        if why:
+            log(f"   {why}")
         lr = LR * math.sqrt(speed.batch_size / LR_BATCH)
         if speed.batch_size != LR_BATCH:
             log(f"   batch {LR_BATCH} → {speed.batch_size}: AdamW's learning rate {LR:g} → {lr:.2g} "

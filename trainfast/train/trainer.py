@@ -424,9 +424,10 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
            world_size: int = 1, budget_share: float = 0.0) -> tuple[Speed, list[dict]]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
-    the tune's time by budget_share of the planned training, torch.compile only where it pays
-    for itself over `epochs`."""
-    from trainfast.tuning import MAX_BATCH
+    the tune's time by budget_share of the planned training, a larger batch only where it is
+    BATCH_GAIN× faster than a smaller one (more steps per epoch), torch.compile only where it
+    pays for itself over `epochs`."""
+    from trainfast.tuning import MAX_BATCH, more_steps_unless_faster
     from trainfast.tuning import tune as _tune
 
     h, w, c = pk.shape
@@ -439,8 +440,13 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
     if "batch_size" not in pin:
         say(f"batch bound by the data: at most {limit} ({per_process:,} images per process, "
             f"≥ {MIN_STEPS_PER_EPOCH} steps per epoch)")
+    best = result.best
+    if "batch_size" not in pin:
+        best, why = more_steps_unless_faster(result, floor=1)
+        if why:
+            say(why)
     rows = [r.to_dict() for r in result.rows]
-    best = result.best if "compile" in pin else _pays(result.best, rows, per_process * epochs, say)
+    best = best if "compile" in pin else _pays(best, rows, per_process * epochs, say)
     return replace(best, **pin), rows
 
 

@@ -39,18 +39,25 @@ def test_the_demo_writes_only_into_a_folder_of_its_own(tmp_path, capsys):
 
 def test_a_larger_batch_is_taken_only_where_it_is_clearly_faster():
     from trainfast.config import Speed
+    from trainfast.models import rewrite
     from trainfast.tuning import Trial, TuneResult, more_steps_unless_faster
 
     def result(rate_128, rate_256):
         best = Speed("bf16", True, batch_size=256)
-        rows = [Trial(Speed("bf16", True, batch_size=64), 1000.0, 1.0), Trial(Speed("fp32", batch_size=32), 900.0, 1.0),
+        rows = [Trial(Speed("bf16", True, batch_size=64), 1000.0, 1.0), Trial(Speed("fp32", batch_size=32), 700.0, 1.0),
                 Trial(Speed("bf16", True, batch_size=128), rate_128, 1.0), Trial(best, rate_256, 1.0)]
         return TuneResult(best, rows)
     speed, why = more_steps_unless_faster(result(1050.0, 1110.0), floor=1)  # 2 CPU cores: 256 is 1.11× 64
-    assert speed.batch_size == 64 and speed.precision == "bf16" and "1.11×" in why
+    assert speed == Speed("bf16", True, batch_size=64) and "1.11×" in why  # not fp32 at 32: 1.59× slower
     assert more_steps_unless_faster(result(1050.0, 1110.0), floor=128)[0].batch_size == 128  # the recipe's batch
     assert more_steps_unless_faster(result(2000.0, 2400.0), floor=1)[0].batch_size == 128  # 2.4× 64, 1.2× 128
     assert more_steps_unless_faster(result(2000.0, 4000.0), floor=1) == (result(0, 0).best, None)  # a GPU: 2× 128
+    # at the smaller batch, its fastest setting: here with the rewrites, which the chosen one lacked
+    with_rewrites = Trial(Speed("bf16", True, batch_size=64, rewrites=rewrite.ALL), 1090.0, 1.0)
+    rejected = Trial(Speed("fp32", True, batch_size=64), 1100.0, 2.0, note="rejected: first-batch loss")
+    r = result(1050.0, 1110.0)
+    r.rows += [with_rewrites, rejected]
+    assert more_steps_unless_faster(r, floor=1)[0] == with_rewrites.speed
 
 
 def test_the_demo_fills_its_time_budget_with_epochs():

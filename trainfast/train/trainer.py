@@ -442,7 +442,8 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
             f"≥ {MIN_STEPS_PER_EPOCH} steps per epoch)")
     best = result.best
     if "batch_size" not in pin:
-        best, why = more_steps_unless_faster(result, floor=1)
+        timed = [r.speed.batch_size for r in result.rows if r.images_per_s]  # never below where tune started
+        best, why = more_steps_unless_faster(result, floor=timed[0] if timed else 1)
         if why:
             say(why)
     rows = [r.to_dict() for r in result.rows]

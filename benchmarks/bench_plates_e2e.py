@@ -17,7 +17,7 @@ four (or five) ways:
     python benchmarks/bench_plates_e2e.py [--count 4000] [--epochs 3] [--runs 3]
     python benchmarks/bench_plates_e2e.py --model plate_net --count 8000 --epochs 8 --target 0.85
     python benchmarks/bench_plates_e2e.py --model plate_net --count 20000 --heldout 1000 --epochs 30 \
-        --plate-target 0.95 --max-minutes 20 --runs 1
+        --translate 2 --plate-target 0.95 --max-minutes 15 --runs 1
 
 --model plate_cnn (default) is the story's CNN with the story's recipe (Adam 1e-3); it does
 not learn in a few epochs on any pipeline, so it measures speed only. --model plate_net is
@@ -126,18 +126,38 @@ def _steps(root: Path) -> int:
     return math.ceil(len(_rows(root)[0]) / BATCH)
 
 
-def keras_sequence(train: Path, val: Path, epochs: int, model: str, seed: int, max_s: float) -> dict:
+def _shift_numpy(x, t: int, rng):
+    """Each image of the NHWC batch `x` moved by up to ±t pixels each way, edges reflected (as
+    trainfast's translate)."""
+    import numpy as np
+
+    pad = np.pad(x, ((0, 0), (t, t), (t, t), (0, 0)), mode="reflect")
+    h, w = x.shape[1:3]
+    dy, dx = rng.integers(0, 2 * t + 1, (2, len(x)))
+    return np.stack([p[a:a + h, b:b + w] for p, a, b in zip(pad, dy, dx)])
+
+
+def keras_sequence(train: Path, val: Path, epochs: int, model: str, seed: int, max_s: float,
+                   translate: int = 0) -> dict:
     import keras
+    import numpy as np
     from keras_models import build_plain  # puts examples/ on sys.path
     from keras_plates import PlateSequence
 
+    class Shifted(PlateSequence):  # the story's Sequence, plus the recipe's translation
+        rng = np.random.default_rng(seed)
+
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return _shift_numpy(x, translate, self.rng), y
+
     keras.utils.set_random_seed(seed)
-    return _keras_fit(build_plain(model, "float32"), PlateSequence(str(train), BATCH),
+    return _keras_fit(build_plain(model, "float32"), (Shifted if translate else PlateSequence)(str(train), BATCH),
                       PlateSequence(str(val), BATCH), epochs, RECIPES[model], _steps(train), max_s)
 
 
 def keras_tfdata(train: Path, val: Path, epochs: int, model: str, seed: int, max_s: float,
-                 policy: str = "mixed_bfloat16") -> dict:
+                 policy: str = "mixed_bfloat16", translate: int = 0) -> dict:
     import keras
     import tensorflow as tf
     from keras_models import build_plain
@@ -151,9 +171,16 @@ def keras_tfdata(train: Path, val: Path, epochs: int, model: str, seed: int, max
             img = tf.io.decode_jpeg(tf.io.read_file(path), channels=3)
             return tf.image.resize(img, SIZE) / 255.0, label
 
+        def shift(img, label):  # ±translate pixels each way, edges reflected (as trainfast's)
+            t = translate
+            img = tf.pad(img, [[t, t], [t, t], [0, 0]], mode="REFLECT")
+            return tf.image.random_crop(img, (*SIZE, 3)), label
+
         ds = tf.data.Dataset.from_tensor_slices((paths, labels)).map(load, num_parallel_calls=tf.data.AUTOTUNE).cache()
         if training:
             ds = ds.shuffle(len(paths), seed=seed)
+            if translate:
+                ds = ds.map(shift, num_parallel_calls=tf.data.AUTOTUNE)
         return ds.batch(BATCH).prefetch(tf.data.AUTOTUNE)
 
     return _keras_fit(build_plain(model, policy), dataset(train, True), dataset(val, False), epochs,
@@ -217,11 +244,11 @@ def torch_dataloader(train: Path, val: Path, epochs: int, model: str, seed: int,
     return _result(times, accs)
 
 
-def trainfast_run(train: Path, val: Path, epochs: int, model: str, seed: int, work: Path) -> dict:
+def trainfast_run(train: Path, val: Path, epochs: int, model: str, seed: int, work: Path, translate: int = 0) -> dict:
     import tempfile
 
     import trainfast
-    from trainfast.config import TrainConfig
+    from trainfast.config import Augment, TrainConfig
     from trainfast.tuning import tune
 
     t = time.perf_counter()
@@ -237,7 +264,7 @@ def trainfast_run(train: Path, val: Path, epochs: int, model: str, seed: int, wo
                       schedule=recipe["schedule"], warmup=recipe["warmup"], seed=seed)
     with tempfile.TemporaryDirectory() as run_dir:
         r = trainfast.fit(model, packs[0], packs[1], config=cfg, speed=speed, run_dir=run_dir,
-                          progress=False, log=lambda *a, **k: None)
+                          augment=Augment(translate=translate), progress=False, log=lambda *a, **k: None)
     return {**_result([row["seconds"] for row in r.history],
                       [(row["val_acc"], row["val_seq_acc"]) for row in r.history]),
             "pack_s": pack_s, "tune_s": tune_s, "settings": r.speed.label()}
@@ -246,17 +273,19 @@ def trainfast_run(train: Path, val: Path, epochs: int, model: str, seed: int, wo
 def _worker(kind: str, a) -> dict:
     train, val = a.data / "train", a.data / "heldout"
     if kind == "trainfast":
-        return trainfast_run(train, val, a.epochs, a.model, a.seed, a.data)
+        return trainfast_run(train, val, a.epochs, a.model, a.seed, a.data, a.translate)
     max_s = a.max_minutes * 60 if a.max_minutes else math.inf
+    shift = {"translate": a.translate} if a.translate else {}
     if kind == "keras-tfdata-fp32":
-        return keras_tfdata(train, val, a.epochs, a.model, a.seed, max_s, policy="float32")
+        return keras_tfdata(train, val, a.epochs, a.model, a.seed, max_s, policy="float32", **shift)
     run = {"keras-sequence": keras_sequence, "keras-tfdata": keras_tfdata, "torch-dataloader": torch_dataloader}[kind]
-    return run(train, val, a.epochs, a.model, a.seed, max_s)
+    return run(train, val, a.epochs, a.model, a.seed, max_s, **shift)
 
 
 def _child(kind: str, a, seed: int) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--data", str(a.data), "--epochs", str(a.epochs),
-           "--model", a.model, "--seed", str(seed), "--max-minutes", str(a.max_minutes or 0)]
+           "--model", a.model, "--seed", str(seed), "--max-minutes", str(a.max_minutes or 0),
+           "--translate", str(a.translate)]
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     if p.returncode:
         sys.exit(f"{kind} failed:\n{p.stderr[-3000:]}")
@@ -296,6 +325,9 @@ def main():
                    help="plate_cnn: the story's model and recipe; plate_net: trainfast's, which learns")
     p.add_argument("--target", type=float, help="also report the time to this held-out per-character accuracy")
     p.add_argument("--plate-target", type=float, help="also report the time to this held-out whole-plate accuracy")
+    p.add_argument("--translate", type=int, default=0,
+                   help="move each training image by up to ±N pixels each way (edges reflected), on every side: "
+                        "trainfast's Augment, a tf.data map, a wrapper of the Sequence (not torch-dataloader)")
     p.add_argument("--max-minutes", type=float, help="stop each contender's training after this many minutes "
                    "(at an epoch's end); a target reached later counts as not reached")
     p.add_argument("--kinds", nargs="+", choices=KINDS,
@@ -314,6 +346,8 @@ def main():
         print(json.dumps(_worker(a.worker, a)))
         return
     a.kinds = a.kinds or default_kinds()
+    if a.translate and "torch-dataloader" in a.kinds:
+        p.error("--translate is not written for torch-dataloader; leave it out of --kinds")
 
     import platform
 

@@ -256,7 +256,8 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         planned_images, budget_share: bound the search to budget_share of the training it
             serves, planned_images at the first setting's rate, counted after that first
             measurement (its one-time warm-ups are not the search's); what the bound leaves
-            out is reported, and a search cut short is not cached.
+            out is reported. A search cut short is cached with its budget: a later tune whose
+            budget is not larger (within 25%) reuses it, a larger one measures again.
         max_seconds: a bound on the tune's own time, from its start (the tighter of the two
             bounds holds when both are given).
         try_compile: include torch.compile of the winner (slow to compile on CPU).
@@ -271,10 +272,11 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     started = _clock()
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch))
     cache = hardware.read_cache("tune.json")
-    if not retune and key in cache:
+    if not retune and key in cache and _reusable(cache[key], planned_images, budget_share, max_seconds):
         c = cache[key]
         rows = [Trial(Speed(**r["speed"]), r["images_per_s"], r["loss"], r["compile_s"], r["note"]) for r in c["rows"]]
-        return TuneResult(Speed(**c["best"]), rows, cached=True)
+        return TuneResult(Speed(**c["best"]), rows, cached=True, not_timed=c.get("not_timed", []),
+                          budget_s=c.get("budget_s"))
 
     measure = measure or measure_trial
     out_shape = getattr(model, "output_shape", None)
@@ -308,8 +310,9 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         ref = run(Speed("fp32", False, batch_size=start_batch))
     if ref.images_per_s is None:
         raise TrainfastError(f"the model does not train at all on {dev}: {ref.note}")
+    first = _clock() - started
     if planned_images and budget_share:
-        first, share = _clock() - started, budget_share * planned_images / ref.images_per_s
+        share = budget_share * planned_images / ref.images_per_s
         budget[:] = [min([first + share, *budget])]
         log(f"  (tune budget: {budget[0]:.1f} s in all; after this first measurement ({first:.1f} s), "
             f"{budget_share:.0%} of ~{planned_images / ref.images_per_s:.0f} s of training at its rate)")
@@ -378,9 +381,21 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             best = t
     result = TuneResult(best.speed, rows, seconds=_clock() - started, not_timed=not_timed,
                         budget_s=budget[0] if budget else None)
+    cache[key] = {"best": asdict(best.speed), "rows": [r.to_dict() for r in rows]}
     if not_timed:
-        log(f"  the tune's budget ({budget[0]:.1f} s) left {len(set(not_timed))} settings untimed; not cached")
-    else:
-        cache[key] = {"best": asdict(best.speed), "rows": [r.to_dict() for r in rows]}
-        hardware.write_cache("tune.json", cache)
+        log(f"  the tune's budget ({budget[0]:.1f} s) left {len(set(not_timed))} settings untimed; cached with that "
+            "budget (a tune with a larger one measures again)")
+        cache[key].update(budget_s=budget[0], first_s=first, ref_rate=ref.images_per_s, not_timed=not_timed)
+    hardware.write_cache("tune.json", cache)
     return result
+
+
+def _reusable(entry: dict, planned_images, budget_share: float, max_seconds) -> bool:
+    """A complete cached search always is; one a budget cut short is, for a tune whose own
+    budget (estimated at the cached first rate) is at most 25% larger."""
+    if "budget_s" not in entry:
+        return True
+    bounds = [max_seconds] if max_seconds else []
+    if planned_images and budget_share:
+        bounds.append(entry["first_s"] + budget_share * planned_images / entry["ref_rate"])
+    return bool(bounds) and min(bounds) <= 1.25 * entry["budget_s"]

@@ -437,11 +437,10 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
                    planned_images=per_process * epochs, budget_share=budget_share,
                    try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, log=progress_log)
     say(result.table())
+    best = result.best
     if "batch_size" not in pin:
         say(f"batch bound by the data: at most {limit} ({per_process:,} images per process, "
             f"≥ {MIN_STEPS_PER_EPOCH} steps per epoch)")
-    best = result.best
-    if "batch_size" not in pin:
         timed = [r.speed.batch_size for r in result.rows if r.images_per_s]  # never below where tune started
         best, why = more_steps_unless_faster(result, floor=timed[0] if timed else 1)
         if why:

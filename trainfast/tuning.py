@@ -254,7 +254,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             powers of two).
         max_batch: the largest batch tried (default MAX_BATCH[device type]).
         planned_images, budget_share: bound the search to budget_share of the training it
-            serves, planned_images at the first setting's rate, counted after that first
+            serves, planned_images at the fastest rate timed so far, counted after the first
             measurement (its one-time warm-ups are not the search's); what the bound leaves
             out is reported. A search cut short is cached with its budget: a later tune whose
             budget is not larger (within 25%) reuses it, a larger one measures again.
@@ -285,15 +285,26 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             out_shape = tuple(copy.deepcopy(model).eval()(torch.zeros(1, *input_shape)).shape[1:])
     rows: list[Trial] = []
     not_timed: list[str] = []
-    budget: list[float] = [max_seconds] if max_seconds else []  # tightened once the first setting's rate is known
+    plan: dict = {}  # once the first setting is timed: its time, and the fastest rate timed so far
+
+    def budget() -> float | None:
+        """The tune's bound, from its start: max_seconds, and/or after the first measurement
+        budget_share of the planned training at the fastest rate timed so far: the run the
+        tune serves trains at the rate it finds, so a faster find tightens the bound."""
+        bounds = [max_seconds] if max_seconds else []
+        if plan and planned_images and budget_share:
+            bounds.append(plan["first"] + budget_share * planned_images / plan["rate"])
+        return min(bounds) if bounds else None
 
     def run(speed: Speed) -> Trial:
-        if budget and _clock() - started > budget[0]:
+        if budget() is not None and _clock() - started > budget():
             not_timed.append(speed.label())
             return Trial(speed, None, note="not timed: the tune's budget is spent")
         reason = _step.check(speed, dev)
         trial = Trial(speed, None, note=f"skipped: {reason}") if reason else measure(model, input_shape, out_shape, speed, dev)
         rows.append(trial)
+        if plan and trial.images_per_s:
+            plan["rate"] = max(plan["rate"], trial.images_per_s)
         shown = f"{trial.images_per_s:,.0f} images/s" if trial.images_per_s else trial.note
         log(f"  {speed.label():53s} {shown}")
         return trial
@@ -311,13 +322,13 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     if ref.images_per_s is None:
         raise TrainfastError(f"the model does not train at all on {dev}: {ref.note}")
     first = _clock() - started
+    plan.update(first=first, rate=ref.images_per_s)
     if planned_images and budget_share:
-        share = budget_share * planned_images / ref.images_per_s
-        budget[:] = [min([first + share, *budget])]
-        log(f"  (tune budget: {budget[0]:.1f} s in all; after this first measurement ({first:.1f} s), "
-            f"{budget_share:.0%} of ~{planned_images / ref.images_per_s:.0f} s of training at its rate)")
-    elif budget:
-        log(f"  (tune budget: {budget[0]:.1f} s)")
+        log(f"  (tune budget: at most {budget():.1f} s in all: after this first measurement ({first:.1f} s), "
+            f"{budget_share:.0%} of the planned training, ~{planned_images / ref.images_per_s:.0f} s at this rate; "
+            "less as faster settings are found)")
+    elif max_seconds:
+        log(f"  (tune budget: {max_seconds:.1f} s)")
     # The likely winners first (reduced precision, channels_last): under a tight budget they are
     # the ones timed. A precision this device does not run fast is skipped without timing.
     precisions = ["bf16", "fp16", "tf32", "fp32"] if cuda else ["bf16", "fp32"]
@@ -379,23 +390,23 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         t = run(replace(best.speed, compile=True))
         if sound(t) and t.images_per_s > best.images_per_s * 1.03:
             best = t
-    result = TuneResult(best.speed, rows, seconds=_clock() - started, not_timed=not_timed,
-                        budget_s=budget[0] if budget else None)
+    result = TuneResult(best.speed, rows, seconds=_clock() - started, not_timed=not_timed, budget_s=budget())
     cache[key] = {"best": asdict(best.speed), "rows": [r.to_dict() for r in rows]}
     if not_timed:
-        log(f"  the tune's budget ({budget[0]:.1f} s) left {len(set(not_timed))} settings untimed; cached with that "
+        log(f"  the tune's budget ({budget():.1f} s) left {len(set(not_timed))} settings untimed; cached with that "
             "budget (a tune with a larger one measures again)")
-        cache[key].update(budget_s=budget[0], first_s=first, ref_rate=ref.images_per_s, not_timed=not_timed)
+        cache[key].update(budget_s=budget(), first_s=first, plan_rate=plan["rate"], not_timed=not_timed)
     hardware.write_cache("tune.json", cache)
     return result
 
 
 def _reusable(entry: dict, planned_images, budget_share: float, max_seconds) -> bool:
     """A complete cached search always is; one a budget cut short is, for a tune whose own
-    budget (estimated at the cached first rate) is at most 25% larger."""
+    budget (estimated at the cached search's fastest rate) is at most 25% larger."""
     if "budget_s" not in entry:
         return True
     bounds = [max_seconds] if max_seconds else []
     if planned_images and budget_share:
-        bounds.append(entry["first_s"] + budget_share * planned_images / entry["ref_rate"])
+        rate = entry.get("plan_rate") or entry["ref_rate"]  # ref_rate: entries from before plan_rate
+        bounds.append(entry["first_s"] + budget_share * planned_images / rate)
     return bool(bounds) and min(bounds) <= 1.25 * entry["budget_s"]

@@ -211,6 +211,27 @@ BATCH_GAIN = 1.3
 """A larger batch is taken over a smaller one only if tune measured it this much faster."""
 
 
+def fastest_by_batch(result: TuneResult, floor: int = 1) -> dict[int, tuple[float, Speed]]:
+    """{batch: (median images/s, setting)}: the fastest setting tune timed at each batch ≥ floor,
+    with the chosen setting's compile choice, rejected settings left out; the chosen setting
+    stands for its own batch."""
+    best = result.best
+    rates: dict[str, list[float]] = {}
+    speeds: dict[str, Speed] = {}
+    for r in result.rows:
+        if r.images_per_s and not r.note.startswith("rejected") and r.speed.compile == best.compile:
+            rates.setdefault(r.speed.label(), []).append(r.images_per_s)
+            speeds[r.speed.label()] = r.speed
+    fastest: dict[int, tuple[float, Speed]] = {}
+    for label, rs in rates.items():
+        b, rate = speeds[label].batch_size, statistics.median(rs)
+        if b >= floor and (b not in fastest or rate > fastest[b][0]):
+            fastest[b] = (rate, speeds[label])
+    if best.label() in rates and best.batch_size >= floor:
+        fastest[best.batch_size] = (statistics.median(rates[best.label()]), best)
+    return fastest
+
+
 def more_steps_unless_faster(result: TuneResult, floor: int, gain: float = BATCH_GAIN) -> tuple[Speed, str | None]:
     """The fastest setting tune timed at the smallest batch ≥ `floor` whose rate is within
     `gain`× of the chosen one's, in place of result.best (same compile choice; rejected
@@ -220,20 +241,10 @@ def more_steps_unless_faster(result: TuneResult, floor: int, gain: float = BATCH
     plate_net at batch 256 ran 1.11× the images/s of 64 and ended at 94.5% / 66.7% held-out
     (characters / plates) against 95.1% / 69.6%. On a GPU a larger batch is several times faster."""
     best = result.best
-    rates: dict[str, list[float]] = {}
-    speeds: dict[str, Speed] = {}
-    for r in result.rows:
-        if r.images_per_s and not r.note.startswith("rejected") and r.speed.compile == best.compile:
-            rates.setdefault(r.speed.label(), []).append(r.images_per_s)
-            speeds[r.speed.label()] = r.speed
-    if best.label() not in rates:
+    fastest = fastest_by_batch(result, floor)
+    top = next((rate for rate, speed in fastest.values() if speed == best), None)
+    if top is None:
         return best, None
-    top = statistics.median(rates[best.label()])
-    fastest: dict[int, tuple[float, Speed]] = {}  # batch: its fastest setting
-    for label, rs in rates.items():
-        b, rate = speeds[label].batch_size, statistics.median(rs)
-        if b >= floor and (b not in fastest or rate > fastest[b][0]):
-            fastest[b] = (rate, speeds[label])
     for b in sorted(fastest):
         rate, speed = fastest[b]
         if b < best.batch_size and top / rate < gain:

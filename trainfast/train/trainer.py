@@ -421,13 +421,15 @@ def _pays(best: Speed, rows: list, planned_images: int, say) -> Speed:
 
 
 def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
-           world_size: int = 1, budget_share: float = 0.0) -> tuple[Speed, list[dict]]:
+           world_size: int = 1, budget_share: float = 0.0) -> tuple[Speed, list[dict], list]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
     the tune's time by budget_share of the planned training, a larger batch only where it is
     BATCH_GAIN× faster than a smaller one (more steps per epoch), torch.compile only where it
-    pays for itself over `epochs`."""
-    from trainfast.tuning import MAX_BATCH, more_steps_unless_faster
+    pays for itself over `epochs`. Also the settings worth racing to a loss (race.contenders;
+    [] where the batch is pinned)."""
+    from trainfast.train import race
+    from trainfast.tuning import MAX_BATCH, fastest_by_batch, more_steps_unless_faster
     from trainfast.tuning import tune as _tune
 
     h, w, c = pk.shape
@@ -437,17 +439,48 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
                    planned_images=per_process * epochs, budget_share=budget_share,
                    try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, log=progress_log)
     say(result.table())
-    best = result.best
+    best, front = result.best, []
     if "batch_size" not in pin:
         say(f"batch bound by the data: at most {limit} ({per_process:,} images per process, "
             f"≥ {MIN_STEPS_PER_EPOCH} steps per epoch)")
         timed = [r.speed.batch_size for r in result.rows if r.images_per_s]  # never below where tune started
         best, why = more_steps_unless_faster(result, floor=timed[0] if timed else 1)
-        if why:
+        front = [(rate, replace(s, **pin)) for rate, s in
+                 race.contenders(fastest_by_batch(result, floor=timed[0] if timed else 1))]
+        if why and not front:
             say(why)
     rows = [r.to_dict() for r in result.rows]
     best = best if "compile" in pin else _pays(best, rows, per_process * epochs, say)
-    return replace(best, **pin), rows
+    return replace(best, **pin), rows, front
+
+
+def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, dev, augment: Augment, user_batch: int,
+           planned_images: int, say) -> tuple[Speed, dict]:
+    """The batch whose copy of `net` reaches the lowest loss in equal wall time (race.py), among
+    the `front` tune found, each at the learning rate the run would give it before the range
+    test (the user's, scaled with the batch, or the optimizer's default for the batch); the
+    `rule`'s choice (BATCH_GAIN) where the run is too short to afford the laps."""
+    from trainfast.train import race
+
+    seconds = race.lap_seconds(front, planned_images)
+    if seconds is None:
+        say(f"batch: the rule's {rule.batch_size} (tune timed batch {front[-1][1].batch_size} "
+            f"{front[-1][0] / front[0][0]:.2f}× batch {front[0][1].batch_size}'s rate, but this run is too short to "
+            f"race them to a loss: {race.RACE_SHARE:.0%} of it would not fit {race.MIN_LAP_STEPS} steps of each)")
+        return rule, {}
+    laps = [race.Lap(s, rate, cfg.lr * s.batch_size / user_batch if cfg.lr else default_lr(cfg.optimizer, s.batch_size))
+            for rate, s in front]
+    probe_idx = (np.arange(len(pk)) if subset is None else subset)[:race.PROBE_IMAGES]
+    probe = Loader(pk, min(256, len(probe_idx)), shuffle=False, drop_last=False, device=dev, subset=probe_idx)
+    laps, cached = race.race(
+        net, laps, lambda b: Loader(pk, b, shuffle=True, seed=cfg.seed, device=dev, augment=augment, subset=subset),
+        probe, lambda p, lr: _optimizer(p, cfg, lr, dev), dev, seconds,
+        f"{pack_record(pk)['id']}|{len(probe_idx)}|{None if subset is None else len(subset)}", cfg.optimizer,
+        cfg.label_smoothing, cfg.seed)
+    chosen = race.choose(laps, replace(rule, compile=False))
+    chosen = replace(chosen, compile=rule.compile)
+    say(race.table(laps, chosen, seconds, len(probe_idx), cached))
+    return chosen, {"lap_s": seconds, "laps": [lap.to_dict() for lap in laps], "cached": cached}
 
 
 def _held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):
@@ -635,7 +668,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         _prepare_run_dir(run_dir)
     distributed.barrier(world)
 
-    tune_table = []
+    tune_table, front, raced = [], [], {}
     if resume:
         _same_pack(train_pk, saved["train_pack"], "training")
         if val_pk is not None:
@@ -648,14 +681,17 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     val_pk, train_idx, val_idx = _held_out(train_pk, val_pk, cfg)
     if speed is None:
         n_train = len(train_pk) if train_idx is None else len(train_idx)
-        speed, tune_table = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
-                                   images=n_train, epochs=cfg.epochs, world_size=world.size,
-                                   budget_share=cfg.tune_share) if tune \
-            else (Speed(**pin), [])
+        speed, tune_table, front = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
+                                          images=n_train, epochs=cfg.epochs, world_size=world.size,
+                                          budget_share=cfg.tune_share) if tune \
+            else (Speed(**pin), [], [])
     reason = _step.check(speed, dev)
     if reason:
         raise TrainfastError(reason)
     augment = augment or Augment()
+    if front and world.size == 1:  # NOTE: under torchrun the rule's batch stands: one race would need every rank
+        speed, raced = _raced(net, train_pk, train_idx, front, speed, cfg, dev, augment, user_batch,
+                              n_train * cfg.epochs, say)
 
     torch.manual_seed(cfg.seed)
     net = _step.prepare(net, speed, dev)
@@ -698,7 +734,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                  "world_size": world.size, "lr": lr, "user_batch_size": user_batch, "device": str(dev)},
                 indent=1))
             (run_dir / "speed.json").write_text(json.dumps(
-                {"speed": speed.to_dict(), "tried": tune_table, "machine": hardware.describe(dev),
+                {"speed": speed.to_dict(), "tried": tune_table, "raced": raced, "machine": hardware.describe(dev),
                  "data_path": loader.describe()}, indent=1))
     say(f"training {name} on {train_pk.path} ({loader.samples} images, {steps_per_epoch} steps/epoch) on {dev} with "
         f"{speed.label()}{f' × {world.size} processes' if world.distributed else ''}, lr {lr:g}; run dir {run_dir}")

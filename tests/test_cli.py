@@ -51,3 +51,13 @@ def test_public_api_names():
     assert trainfast.doctor.__module__ == "trainfast.diagnose" and trainfast.tune.__module__ == "trainfast.tuning"
     assert trainfast.Pack and trainfast.Loader and trainfast.Augment
     assert "cifar_cnn" in trainfast.models.list()
+
+
+def test_tune_takes_a_time_bound_and_lists_what_it_left_out(small_net_file, capsys):
+    assert main(["tune", "--model", f"{small_net_file}:small", "--device", "cpu", "--max-seconds", "0.5",
+                 "--no-compile", "--retune"]) == ExitStatus.OK
+    out = capsys.readouterr().out
+    assert "not timed, the tune's budget of 0.5 s spent:" in out and "fp32 + batch" in out
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--model", "cifar_cnn", "--max-seconds", "0"])
+    assert e.value.code == ExitStatus.USAGE and "positive number of seconds" in capsys.readouterr().err

@@ -46,6 +46,16 @@ def _size3(text: str) -> tuple[int, int, int]:
     return _dims(text, 3, "3x32x32")
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def _rewrites(text: str) -> tuple[str, ...]:
     """'all', 'none' or 'pool_before_relu,inplace_relu' → the pass names."""
     from trainfast.models import rewrite
@@ -159,6 +169,10 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--no-rewrites", action="store_true", help="do not try the exact model rewrites "
                     "(pool_before_relu, inplace_relu, cheap_dropout; see docs/MODELS.md)")
     tu.add_argument("--retune", action="store_true", help="measure again instead of using the cached choice")
+    tu.add_argument("--max-seconds", type=_positive_float, default=None, metavar="S",
+                    help="stop timing new settings after S seconds and keep the fastest timed so far; what was "
+                         "left out is listed under the table, and the choice is cached with its budget "
+                         "(default: no bound)")
 
     tr = sub.add_parser(
         "train", help="train a model on a pack with the fastest measured settings",
@@ -340,7 +354,8 @@ def _cmd_tune(a) -> ExitStatus:
         raise TrainfastError("give --input-shape CxHxW or --pack for a model without .input_shape")
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     result = tune(model, shape, device=a.device, batch_size=a.batch_size, max_batch=a.max_batch,
-                  try_compile=not a.no_compile, try_rewrites=not a.no_rewrites, retune=a.retune, log=log)
+                  max_seconds=a.max_seconds, try_compile=not a.no_compile, try_rewrites=not a.no_rewrites,
+                  retune=a.retune, log=log)
     print(result.table())
     return ExitStatus.OK
 

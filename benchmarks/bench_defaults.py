@@ -84,27 +84,47 @@ def _run(model: str, side: str, train, test, tmp: Path) -> dict:
             "to_target": ends[reached] if reached is not None and reached < len(ends) else None}
 
 
+def _side(model: str, side: str, tmp: Path) -> dict:
+    """One side in a fresh Python process, as a user's run is: each pays the same one-time costs
+    (imports, the first kernels' set-up), and none runs warm on another's."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, __file__, "--child", model, side, str(tmp)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(CASES), default=list(CASES))
     p.add_argument("--plates", type=Path, default=Path("bench-data/plates-defaults"),
                    help="folder for the generated plates and their packs (made if missing)")
+    p.add_argument("--child", nargs=3, metavar=("MODEL", "SIDE", "TMP"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.child:
+        import json
+        model, side, tmp = a.child
+        tmp = Path(tmp)
+        print(json.dumps(_run(model, side, tmp / f"{model}-train", tmp / f"{model}-test", tmp)))
+        return
     import platform
 
     import torch
 
     from trainfast import hardware
     print(f"# {hardware.cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}; each side in a fresh process")
     print(f"{'model':14s} {'side':9s} {'target':>6s} {'epochs to':>9s} {'to target s':>11s} {'in all s':>9s} "
           f"{'final':>6s}  settings")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for model in a.only:
-            train, test = _packs(model, a, tmp)
+            for which, pk in zip(("train", "test"), _packs(model, a, tmp)):
+                (tmp / f"{model}-{which}").symlink_to(Path(pk.path).resolve())
             for side in ("recipe", "defaults", "again"):
-                r = _run(model, side, train, test, tmp)
+                r = _side(model, side, tmp)
                 to = f"{r['to_target']:11.1f}" if r["to_target"] is not None else f"{'not reached':>11s}"
                 epoch_to = f"{r['epoch_to'] + 1:9d}" if r["epoch_to"] is not None else f"{'—':>9s}"
                 print(f"{model:14s} {side:9s} {CASES[model][1]:6.0%} {epoch_to} {to} {r['ends'][-1]:9.1f} "

@@ -84,3 +84,6 @@ def test_outputs_no_image_changes_are_found_dead():
         dead[1].bias.fill_(-100.0)
     assert "output  is the same" not in constant_outputs(dead, x)[0]  # no empty "at … positions"
     assert "the model's output is the same for all 16" in constant_outputs(dead, x)[0]
+    assert "stopped seeing its input at 2 (ReLU): 100% of its values are the same for every image (100% of them " \
+           "zero)" in constant_outputs(dead, x)[0]  # where the collapse starts: the ReLU, not the Linear before it
+    assert "stopped seeing" not in found[0]  # some positions still see the images: no single place

@@ -174,32 +174,70 @@ def structural_findings(cost: ModelCost) -> list[str]:
     return out
 
 
+STILL_SHARE = 0.99  # a layer with this share of its values the same for every image has stopped seeing its input
+
+
+def _pct(share: float) -> str:
+    """A share as a percentage with the digits that tell it from 100%: 0.9999 → '99.99%'."""
+    digits = 0
+    while digits < 4 and round(share * 100, digits) >= 100 and share < 1:
+        digits += 1
+    return f"{share * 100:.{digits}f}%"
+
+
+def _still(t: torch.Tensor) -> torch.Tensor:
+    """Per element of one image's output: True where it is the same for every image of the batch."""
+    t = t.float()
+    return (t - t[:1]).abs().amax(dim=0) <= 1e-5 * (1 + t.abs().amax(dim=0))
+
+
 def constant_outputs(net: nn.Module, x: torch.Tensor, when: str = "") -> list[str]:
     """A measured finding: the model's outputs that are the same for every image of the batch
     `x` (images that differ). Nothing upstream reaches such an output, so training cannot move
     it; in a ReLU network that is a dead unit (its input negative for every image: no
-    gradient). Run in eval mode on `net` itself, without gradients; its mode is restored."""
+    gradient). Where every output is, also the first layer whose whole output is (where the
+    network stopped seeing its input). Run in eval mode on `net` itself, without gradients;
+    its mode is restored."""
     if len(x) < 2:
         return []
     was_training = net.training
     net.eval()
+    layers: list[tuple[str, nn.Module, torch.Tensor]] = []  # leaf layers, in the order they ran
+
+    def record(name):
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor) and output.dim() >= 1 and len(output) == len(x):
+                layers.append((name, module, output.detach()))
+        return hook
+    handles = [m.register_forward_hook(record(n)) for n, m in net.named_modules() if n and not list(m.children())]
     try:
         with torch.no_grad():
             out = net(x).float()
     except Exception:  # noqa: BLE001 - a finding is a bonus: a model that will not run here gets none
         return []
     finally:
+        for h in handles:
+            h.remove()
         net.train(was_training)
     if out.dim() < 2 or not torch.isfinite(out).all():
         return []
-    spread = (out - out[:1]).abs().amax(dim=0)  # per output element, across the batch
-    scale = 1e-5 * (1 + out.abs().amax(dim=0))
-    still = (spread <= scale).flatten(1).all(1) if out.dim() >= 3 else (spread <= scale).all().reshape(1)
+    spread = _still(out)
+    still = spread.flatten(1).all(1) if out.dim() >= 3 else spread.all().reshape(1)
     if not still.any():
         return []
     where = (f" at {int(still.sum())} of {len(still)} positions "
              f"({', '.join(str(int(i) + 1) for i in still.nonzero().flatten())})" if out.dim() >= 3 else "")
-    return [f"{when}the model's output{where} is the same for all {len(x)} training images it was shown: "
+    origin = ""
+    if still.all():
+        first = next(((n, m, t, float(_still(t).float().mean())) for n, m, t in layers[:-1]
+                      if t.dim() >= 2 and _still(t).float().mean() >= STILL_SHARE), None)
+        if first is not None:
+            n, m, t, share = first
+            zeros = float((t == 0).float().mean())
+            origin = (f"; the network stopped seeing its input at {n} ({type(m).__name__}): "
+                      f"{_pct(share)} of its values are the same for every image"
+                      + (f" ({_pct(zeros)} of them zero)" if zeros >= 0.01 else ""))
+    return [f"{when}the model's output{where} is the same for all {len(x)} training images it was shown{origin}: "
             "nothing upstream reaches it, so no learning rate can move it (in a ReLU network, units whose input "
             "is negative for every image are dead and pass no gradient); a normalisation layer before the "
             "activation, or keeping a feature vector per output instead of one number, avoids it"]

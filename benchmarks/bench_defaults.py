@@ -56,7 +56,7 @@ def _packs(model: str, a, tmp: Path):
     return tuple(packs)
 
 
-def _run(model: str, side: str, train, test, tmp: Path) -> dict:
+def _run(model: str, side: str, train, test, tmp: Path, device: str = "cpu") -> dict:
     import trainfast
     from trainfast.config import Augment, Speed, TrainConfig
     from trainfast.models import rewrite
@@ -68,7 +68,7 @@ def _run(model: str, side: str, train, test, tmp: Path) -> dict:
     def log(msg, *args, **kw):
         if msg.lstrip().startswith("epoch "):
             ends.append(time.perf_counter() - started)
-    kw = dict(device="cpu", run_dir=tmp / f"{model}-{side}", augment=Augment(translate=translate), progress=False,
+    kw = dict(device=device, run_dir=tmp / f"{model}-{side}", augment=Augment(translate=translate), progress=False,
               log=log)
     if side in ("defaults", "again"):
         os.environ["TRAINFAST_CACHE"] = str(tmp / f"cache-{model}")  # empty for "defaults": a first run
@@ -84,14 +84,14 @@ def _run(model: str, side: str, train, test, tmp: Path) -> dict:
             "to_target": ends[reached] if reached is not None and reached < len(ends) else None}
 
 
-def _side(model: str, side: str, tmp: Path) -> dict:
+def _side(model: str, side: str, tmp: Path, device: str) -> dict:
     """One side in a fresh Python process, as a user's run is: each pays the same one-time costs
     (imports, the first kernels' set-up), and none runs warm on another's."""
     import json
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, __file__, "--child", model, side, str(tmp)], check=True,
+    out = subprocess.run([sys.executable, __file__, "--child", model, side, str(tmp), "--device", device], check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -101,13 +101,14 @@ def main():
     p.add_argument("--only", nargs="+", choices=list(CASES), default=list(CASES))
     p.add_argument("--plates", type=Path, default=Path("bench-data/plates-defaults"),
                    help="folder for the generated plates and their packs (made if missing)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where every side trains")
     p.add_argument("--child", nargs=3, metavar=("MODEL", "SIDE", "TMP"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         import json
         model, side, tmp = a.child
         tmp = Path(tmp)
-        print(json.dumps(_run(model, side, tmp / f"{model}-train", tmp / f"{model}-test", tmp)))
+        print(json.dumps(_run(model, side, tmp / f"{model}-train", tmp / f"{model}-test", tmp, a.device)))
         return
     import platform
 
@@ -115,7 +116,7 @@ def main():
 
     from trainfast import hardware
     print(f"# {hardware.cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"torch {torch.__version__}; each side in a fresh process")
+          f"torch {torch.__version__}; device {a.device}; each side in a fresh process")
     print(f"{'model':14s} {'side':9s} {'target':>6s} {'epochs to':>9s} {'to target s':>11s} {'in all s':>9s} "
           f"{'final':>6s}  settings")
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,7 +125,7 @@ def main():
             for which, pk in zip(("train", "test"), _packs(model, a, tmp)):
                 (tmp / f"{model}-{which}").symlink_to(Path(pk.path).resolve())
             for side in ("recipe", "defaults", "again"):
-                r = _side(model, side, tmp)
+                r = _side(model, side, tmp, a.device)
                 to = f"{r['to_target']:11.1f}" if r["to_target"] is not None else f"{'not reached':>11s}"
                 epoch_to = f"{r['epoch_to'] + 1:9d}" if r["epoch_to"] is not None else f"{'—':>9s}"
                 print(f"{model:14s} {side:9s} {CASES[model][1]:6.0%} {epoch_to} {to} {r['ends'][-1]:9.1f} "

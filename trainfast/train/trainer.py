@@ -475,7 +475,8 @@ def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, de
     laps, cached = race.race(
         net, laps, lambda b: Loader(pk, b, shuffle=True, seed=cfg.seed, device=dev, augment=augment, subset=subset),
         probe, lambda p, lr: _optimizer(p, cfg, lr, dev), dev, seconds,
-        f"{pack_record(pk)['id']}|{len(probe_idx)}|{None if subset is None else len(subset)}", cfg.optimizer,
+        f"{pack_record(pk)['id']}|{len(probe_idx)}|{None if subset is None else len(subset)}|{augment}|{cfg.seed}|"
+        f"{cfg.weight_decay}|{cfg.label_smoothing}", cfg.optimizer,
         cfg.label_smoothing, cfg.seed)
     chosen = race.choose(laps, replace(rule, compile=False))
     chosen = replace(chosen, compile=rule.compile)

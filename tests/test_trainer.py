@@ -352,3 +352,18 @@ def test_sequence_errors_count_positions_pairs_and_groups():
                                   {"character": "0", "count": 4, "error_rate": 0.0}]
     assert e["groups"] == {"a": {"sequences": 2, "character_accuracy": 5 / 6, "sequence_accuracy": 0.5},
                            "b": {"sequences": 2, "character_accuracy": 4 / 6, "sequence_accuracy": 0.0}}
+
+
+def test_the_one_cycle_rate_stays_positive_to_the_end():
+    """The scheduler also steps after the last update; that step must not take the rate below zero
+    (it did: -1.1e-05 logged for a run's last epoch at a peak of 1e-3)."""
+    from trainfast.config import TrainConfig
+    from trainfast.train.trainer import _scheduler
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = _scheduler(opt, TrainConfig(), 100, 1e-3)
+    rates = []
+    for _ in range(100):
+        opt.step()
+        sched.step()
+        rates.append(opt.param_groups[0]["lr"])
+    assert min(rates) > 0 and rates[-1] == pytest.approx(1e-6) and max(rates) == pytest.approx(1e-3, rel=0.01)

@@ -97,7 +97,10 @@ def lr_factor(cfg: TrainConfig, step: int, total: int) -> float:
 
 def _scheduler(opt, cfg: TrainConfig, total: int, lr: float):
     if cfg.schedule == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total, pct_start=cfg.warmup,
+        # NOTE: one step more than the run takes: the scheduler also steps after the last update,
+        # and at total_steps OneCycleLR extrapolates its last line below zero (a negative rate
+        # logged for the last epoch).
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total + 1, pct_start=cfg.warmup,
                                                    anneal_strategy="linear", div_factor=10, final_div_factor=100)
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step, total))
 

@@ -446,10 +446,10 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
     if "batch_size" not in pin:
         say(f"batch bound by the data: at most {limit} ({per_process:,} images per process, "
             f"≥ {MIN_STEPS_PER_EPOCH} steps per epoch)")
-        timed = [r.speed.batch_size for r in result.rows if r.images_per_s]  # never below where tune started
-        best, why = more_steps_unless_faster(result, floor=timed[0] if timed else 1)
-        front = [(rate, replace(s, **pin)) for rate, s in
-                 race.contenders(fastest_by_batch(result, floor=timed[0] if timed else 1))]
+        timed = [r.speed.batch_size for r in result.rows if r.images_per_s]
+        floor = timed[0] if timed else 1  # never below where tune started
+        best, why = more_steps_unless_faster(result, floor=floor)
+        front = [(rate, replace(s, **pin)) for rate, s in race.contenders(fastest_by_batch(result, floor=floor))]
         if why and not front:
             say(why)
     rows = [r.to_dict() for r in result.rows]
@@ -471,8 +471,9 @@ def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, de
             f"{front[-1][0] / front[0][0]:.2f}× batch {front[0][1].batch_size}'s rate, but this run is too short to "
             f"race them to a loss: {race.RACE_SHARE:.0%} of it would not fit {race.MIN_LAP_STEPS} steps of each)")
         return rule, {}
-    laps = [race.Lap(s, rate, cfg.lr * s.batch_size / user_batch if cfg.lr else default_lr(cfg.optimizer, s.batch_size))
-            for rate, s in front]
+    def lr_for(batch: int) -> float:
+        return cfg.lr * batch / user_batch if cfg.lr else default_lr(cfg.optimizer, batch)
+    laps = [race.Lap(replace(s, compile=False), rate, lr_for(s.batch_size)) for rate, s in front]  # compile: rule's
     probe_idx = (np.arange(len(pk)) if subset is None else subset)[:race.PROBE_IMAGES]
     probe = Loader(pk, min(256, len(probe_idx)), shuffle=False, drop_last=False, device=dev, subset=probe_idx)
     laps, cached = race.race(
@@ -481,8 +482,7 @@ def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, de
         f"{pack_record(pk)['id']}|{len(probe_idx)}|{None if subset is None else len(subset)}|{augment}|{cfg.seed}|"
         f"{cfg.weight_decay}|{cfg.label_smoothing}", cfg.optimizer,
         cfg.label_smoothing, cfg.seed)
-    chosen = race.choose(laps, replace(rule, compile=False))
-    chosen = replace(chosen, compile=rule.compile)
+    chosen = replace(race.choose(laps, replace(rule, compile=False)), compile=rule.compile)
     say(race.table(laps, chosen, seconds, len(probe_idx), cached))
     return chosen, {"lap_s": seconds, "laps": [lap.to_dict() for lap in laps], "cached": cached}
 

@@ -482,9 +482,9 @@ def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, de
         f"{pack_record(pk)['id']}|{len(probe_idx)}|{None if subset is None else len(subset)}|{augment}|{cfg.seed}|"
         f"{cfg.weight_decay}|{cfg.label_smoothing}", cfg.optimizer,
         cfg.label_smoothing, cfg.seed)
-    chosen = replace(race.choose(laps, replace(rule, compile=False)), compile=rule.compile)
-    say(race.table(laps, chosen, seconds, len(probe_idx), cached))
-    return chosen, {"lap_s": seconds, "laps": [lap.to_dict() for lap in laps], "cached": cached}
+    won = race.choose(laps, replace(rule, compile=False))
+    say(race.table(laps, won, seconds, len(probe_idx), cached))
+    return replace(won, compile=rule.compile), {"lap_s": seconds, "laps": [lap.to_dict() for lap in laps], "cached": cached}
 
 
 def _held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):

@@ -179,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train MODEL on PACK with the settings `trainfast tune` measures fastest here (unless "
                     "--no-tune or pinned); where a larger batch runs clearly faster, the candidate batches first "
                     "train copies of the model for a few seconds each and the one at the lowest loss wins (at most "
-                    "5%% of the planned time). Without --lr a short range test sets the rate. Validates each "
+                    "5% of the planned time). Without --lr a short range test sets the rate. Validates each "
                     "epoch, with a run directory holding the config, "
                     "metrics.csv, curves.png, speed.json and last/best checkpoints. Ctrl-C saves; --resume "
                     "continues, even after a kill. Under torchrun it trains with DDP.",

@@ -32,6 +32,7 @@ SUITE = {  # name: benchmarks/bench_SCRIPT.py and its arguments
                                     "--data", "bench-data/plates-95"]),
     "quality": ("quality", []),
     "defaults": ("defaults", []),
+    "race": ("race", []),
 }
 
 

@@ -474,7 +474,8 @@ def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, de
     def lr_for(batch: int) -> float:
         return cfg.lr * batch / user_batch if cfg.lr else default_lr(cfg.optimizer, batch)
     laps = [race.Lap(replace(s, compile=False), rate, lr_for(s.batch_size)) for rate, s in front]  # compile: rule's
-    probe_idx = (np.arange(len(pk)) if subset is None else subset)[:race.PROBE_IMAGES]
+    pool = np.arange(len(pk)) if subset is None else subset  # a seeded sample: packs are often in class order
+    probe_idx = np.sort(np.random.default_rng([cfg.seed, 104729]).permutation(pool)[:race.PROBE_IMAGES])
     probe = Loader(pk, min(256, len(probe_idx)), shuffle=False, drop_last=False, device=dev, subset=probe_idx)
     laps, cached = race.race(
         net, laps, lambda b: Loader(pk, b, shuffle=True, seed=cfg.seed, device=dev, augment=augment, subset=subset),

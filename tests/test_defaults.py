@@ -115,3 +115,10 @@ def test_range_test_with_nothing_to_learn_chooses_no_rate_and_fit_says_so(digits
     fit("cifar_cnn", train, test, config=TrainConfig(epochs=1, loss_watch=False), speed=Speed(batch_size=64),
         device="cpu", run_dir=tmp_path / "r", progress=False, log=said.append)
     assert any(m.startswith("learning rate range test") for m in said)
+
+
+def test_a_rate_follows_the_batch_by_one_rule_for_the_users_rate_and_the_defaults():
+    from trainfast.config import default_lr, scale_lr
+    assert scale_lr("sgd", 0.1, 64, 256) == pytest.approx(0.4)
+    assert scale_lr("adamw", 1e-3, 64, 256) == pytest.approx(2e-3)  # square root for the adaptive ones
+    assert default_lr("adamw", 64) == pytest.approx(3e-3) and default_lr("sgd", 512) == pytest.approx(0.4)

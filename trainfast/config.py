@@ -103,18 +103,23 @@ class Speed:
 
 OPTIMIZERS = ("sgd", "adamw", "rmsprop")
 SCHEDULES = ("onecycle", "cosine", "constant")
-# Learning rates known to work at a batch of 256, scaled linearly with the batch actually used.
 BASE_LR = {"sgd": 0.2, "adamw": 6e-3, "rmsprop": 1e-3}
-"""Each optimizer's default peak rate at BASE_BATCH; scaled to the run's batch, linearly for SGD
-and by the square root for the adaptive ones (adamw: 3e-3 at 64, plate_net's measured rate)."""
+"""Each optimizer's default peak rate at BASE_BATCH, scaled to the run's batch by scale_lr
+(adamw: 3e-3 at 64, plate_net's measured rate)."""
 BASE_BATCH = 256
 SQRT_SCALED = ("adamw", "rmsprop")
 
 
+def scale_lr(optimizer: str, lr: float, from_batch: int, to_batch: int) -> float:
+    """A peak rate that suits `from_batch`, for `to_batch`: linearly for SGD (Goyal et al., 2017),
+    by the square root for the adaptive optimizers (Malladi et al., 2022)."""
+    ratio = to_batch / from_batch
+    return lr * (ratio ** 0.5 if optimizer in SQRT_SCALED else ratio)
+
+
 def default_lr(optimizer: str, batch: int) -> float:
     """The optimizer's default peak learning rate for a (global) batch."""
-    ratio = batch / BASE_BATCH
-    return BASE_LR[optimizer] * (ratio ** 0.5 if optimizer in SQRT_SCALED else ratio)
+    return scale_lr(optimizer, BASE_LR[optimizer], BASE_BATCH, batch)
 
 
 @dataclass

@@ -16,7 +16,6 @@ import base64
 import html
 import io
 import json
-import math
 import statistics
 import time
 from contextlib import contextmanager
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from trainfast import models
-from trainfast.config import Augment, Speed, TrainConfig
+from trainfast.config import Augment, Speed, TrainConfig, scale_lr
 from trainfast.data.format import Pack
 from trainfast.data.loader import Loader
 from trainfast.data.naive import PerImageBatches
@@ -158,7 +157,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
         speed, why = more_steps_unless_faster(tuned, floor=LR_BATCH)
         if why:
             log(f"   {why}")
-        lr = LR * math.sqrt(speed.batch_size / LR_BATCH)
+        lr = scale_lr("adamw", LR, LR_BATCH, speed.batch_size)
         if speed.batch_size != LR_BATCH:
             log(f"   batch {LR_BATCH} → {speed.batch_size}: AdamW's learning rate {LR:g} → {lr:.2g} "
                 f"(× the square root of the batch ratio)")

@@ -25,7 +25,7 @@ import torch
 
 from trainfast import hardware, models
 from trainfast import step as _step
-from trainfast.config import OPTIMIZERS, SCHEDULES, Augment, Speed, TrainConfig, default_lr
+from trainfast.config import OPTIMIZERS, SCHEDULES, Augment, Speed, TrainConfig, default_lr, scale_lr
 from trainfast.data.format import Pack
 from trainfast.data.loader import Loader
 from trainfast.errors import TrainfastError
@@ -472,7 +472,7 @@ def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, de
             f"race them to a loss: {race.RACE_SHARE:.0%} of it would not fit {race.MIN_LAP_STEPS} steps of each)")
         return rule, {}
     def lr_for(batch: int) -> float:
-        return cfg.lr * batch / user_batch if cfg.lr else default_lr(cfg.optimizer, batch)
+        return scale_lr(cfg.optimizer, cfg.lr, user_batch, batch) if cfg.lr else default_lr(cfg.optimizer, batch)
     laps = [race.Lap(replace(s, compile=False), rate, lr_for(s.batch_size)) for rate, s in front]  # compile: rule's
     pool = np.arange(len(pk)) if subset is None else subset  # a seeded sample: packs are often in class order
     probe_idx = np.sort(np.random.default_rng([cfg.seed, 104729]).permutation(pool)[:race.PROBE_IMAGES])
@@ -550,14 +550,14 @@ def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findin
 
 def _learning_rate(net, loader: Loader, cfg: TrainConfig, speed: Speed, dev, world, train_pk: Pack, saved, user_batch,
                    say) -> float:
-    """The run's peak learning rate: the saved one on resume; the user's, scaled linearly from
-    their batch to the tuned one; else measured by a range test on this data (10% of the
+    """The run's peak learning rate: the saved one on resume; the user's, scaled from their batch
+    to the tuned one (scale_lr); else measured by a range test on this data (10% of the
     planned steps, 20 to 100), or, where no rate lowered the loss there, the optimizer's
     default scaled from batch 256."""
     if saved is not None and saved.get("lr"):
         return float(saved["lr"])
     if cfg.lr:
-        lr = cfg.lr * speed.batch_size / user_batch
+        lr = scale_lr(cfg.optimizer, cfg.lr, user_batch, speed.batch_size)
         if speed.batch_size != user_batch:
             say(f"batch size {user_batch} → {speed.batch_size} (tuned): learning rate scaled {cfg.lr:g} → {lr:g}")
         return lr

@@ -627,8 +627,10 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
         epochs, batch_size, lr, optimizer: as `trainfast train` names them; they override
             `config`, and a batch_size is pinned (tuning keeps it).
         config: a TrainConfig; speed: the settings to use (default: tuned on this machine
-            when tune=True, else Speed()); pin: settings fixed by the user, e.g.
-            {"batch_size": 64}, that tuning keeps; augment: batched augmentations.
+            when tune=True, else Speed(); where tune times a larger batch clearly faster, the
+            batches are raced to a loss on `train` first, see train/race.py); pin: settings
+            fixed by the user, e.g. {"batch_size": 64}, that tuning keeps; augment: batched
+            augmentations.
         device: 'cpu', 'cuda', 'cuda:N', or None for CUDA when there is one.
         run_dir: where the config, metrics, curves and checkpoints go (created).
         resume: continue the run in run_dir from its last checkpoint (on this or another device).

@@ -84,6 +84,13 @@ def lap_seconds(front: list[tuple[float, Speed]], planned_images: int) -> float 
     return lap if lap * rate / speed.batch_size >= MIN_LAP_STEPS else None
 
 
+def _epochs(loader):
+    """The loader's batches, epoch after epoch, for as long as the caller takes them."""
+    for epoch in itertools.count():
+        loader.set_epoch(epoch)
+        yield from loader
+
+
 def run_lap(net: torch.nn.Module, lap: Lap, loader, probe, make_optimizer: Callable, device: torch.device,
             seconds: float, label_smoothing: float = 0.0, seed: int = 0) -> Lap:
     """Train a copy of `net` at lap.speed for `seconds` of wall time (after two steps that pay
@@ -97,26 +104,21 @@ def run_lap(net: torch.nn.Module, lap: Lap, loader, probe, make_optimizer: Calla
         scaler = _step.make_scaler(speed, device)
         expected = max(1, seconds * lap.images_per_s / speed.batch_size)
         start, done = None, 0
-        for epoch in itertools.count():
-            loader.set_epoch(epoch)
-            for x, y in loader:
-                for g in opt.param_groups:
-                    g["lr"] = lap.lr * min(1.0, (done + 1) / max(1.0, WARMUP * expected))
-                x, y = _step.to_device(x, y, speed, device)
-                loss, _ = _step.forward_loss(model, x, y, speed, device, label_smoothing)
-                _step.backward(loss, scaler)
-                _step.optimizer_step(opt, scaler)
-                done += 1
-                if done == 2 or (done > 2 and (device.type != "cuda" or done % 8 == 0)):
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    if start is None:
-                        start, counted = _clock(), done
-                    elif _clock() - start >= seconds:
-                        break
-            else:
-                continue
-            break
+        for x, y in _epochs(loader):
+            for g in opt.param_groups:
+                g["lr"] = lap.lr * min(1.0, (done + 1) / max(1.0, WARMUP * expected))
+            x, y = _step.to_device(x, y, speed, device)
+            loss, _ = _step.forward_loss(model, x, y, speed, device, label_smoothing)
+            _step.backward(loss, scaler)
+            _step.optimizer_step(opt, scaler)
+            done += 1
+            if done == 2 or (done > 2 and (device.type != "cuda" or done % 8 == 0)):  # NOTE: a sync every 8 on CUDA
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if start is None:
+                    start, counted = _clock(), done
+                elif _clock() - start >= seconds:
+                    break
         elapsed = _clock() - start
         model.eval()
         total, n = 0.0, 0

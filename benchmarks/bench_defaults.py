@@ -56,7 +56,7 @@ def _packs(model: str, a, tmp: Path):
     return tuple(packs)
 
 
-def _run(model: str, side: str, train, test, tmp: Path, device: str = "cpu") -> dict:
+def _run(model: str, side: str, train, test, tmp: Path, device: str = "cpu", seed: int = 0) -> dict:
     import trainfast
     from trainfast.config import Augment, Speed, TrainConfig
     from trainfast.models import rewrite
@@ -72,10 +72,10 @@ def _run(model: str, side: str, train, test, tmp: Path, device: str = "cpu") -> 
               log=log)
     if side in ("defaults", "again"):
         os.environ["TRAINFAST_CACHE"] = str(tmp / f"cache-{model}")  # empty for "defaults": a first run
-        r = trainfast.fit(model, train, test, epochs=epochs, **kw)
+        r = trainfast.fit(model, train, test, config=TrainConfig(epochs=epochs, seed=seed), **kw)
         os.environ.pop("TRAINFAST_CACHE")
     else:
-        cfg = TrainConfig(epochs=epochs, optimizer="adamw", lr=3e-3, weight_decay=5e-4, seed=0)
+        cfg = TrainConfig(epochs=epochs, optimizer="adamw", lr=3e-3, weight_decay=5e-4, seed=seed)
         r = trainfast.fit(model, train, test, config=cfg, speed=Speed("bf16", True, batch_size=64,
                                                                        rewrites=rewrite.ALL), **kw)
     accs = [row["val_acc"] for row in r.history]
@@ -84,14 +84,15 @@ def _run(model: str, side: str, train, test, tmp: Path, device: str = "cpu") -> 
             "to_target": ends[reached] if reached is not None and reached < len(ends) else None}
 
 
-def _side(model: str, side: str, tmp: Path, device: str) -> dict:
+def _side(model: str, side: str, tmp: Path, device: str, seed: int) -> dict:
     """One side in a fresh Python process, as a user's run is: each pays the same one-time costs
     (imports, the first kernels' set-up), and none runs warm on another's."""
     import json
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, __file__, "--child", model, side, str(tmp), "--device", device], check=True,
+    out = subprocess.run([sys.executable, __file__, "--child", model, side, str(tmp), "--device", device,
+                          "--seed", str(seed)], check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -102,13 +103,14 @@ def main():
     p.add_argument("--plates", type=Path, default=Path("bench-data/plates-defaults"),
                    help="folder for the generated plates and their packs (made if missing)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where every side trains")
+    p.add_argument("--seed", type=int, default=0, help="the training seed of every side (weights, order, augmentation)")
     p.add_argument("--child", nargs=3, metavar=("MODEL", "SIDE", "TMP"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         import json
         model, side, tmp = a.child
         tmp = Path(tmp)
-        print(json.dumps(_run(model, side, tmp / f"{model}-train", tmp / f"{model}-test", tmp, a.device)))
+        print(json.dumps(_run(model, side, tmp / f"{model}-train", tmp / f"{model}-test", tmp, a.device, a.seed)))
         return
     import platform
 
@@ -116,7 +118,7 @@ def main():
 
     from trainfast import hardware
     print(f"# {hardware.cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-          f"torch {torch.__version__}; device {a.device}; each side in a fresh process")
+          f"torch {torch.__version__}; device {a.device}; seed {a.seed}; each side in a fresh process")
     print(f"{'model':14s} {'side':9s} {'target':>6s} {'epochs to':>9s} {'to target s':>11s} {'in all s':>9s} "
           f"{'final':>6s}  settings")
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +127,7 @@ def main():
             for which, pk in zip(("train", "test"), _packs(model, a, tmp)):
                 (tmp / f"{model}-{which}").symlink_to(Path(pk.path).resolve())
             for side in ("recipe", "defaults", "again"):
-                r = _side(model, side, tmp, a.device)
+                r = _side(model, side, tmp, a.device, a.seed)
                 to = f"{r['to_target']:11.1f}" if r["to_target"] is not None else f"{'not reached':>11s}"
                 epoch_to = f"{r['epoch_to'] + 1:9d}" if r["epoch_to"] is not None else f"{'—':>9s}"
                 print(f"{model:14s} {side:9s} {CASES[model][1]:6.0%} {epoch_to} {to} {r['ends'][-1]:9.1f} "

@@ -193,6 +193,11 @@ def _cache_dir():
     return Path(root)
 
 
+def model_key(net) -> str:
+    """What a cached measurement of a model depends on: its layers and its parameters' shapes."""
+    return repr(net) + repr([(n, tuple(p.shape)) for n, p in net.named_parameters()])
+
+
 def machine_key(device) -> str:
     """What the measured peaks depend on: the processor or GPU, the torch build, the threads."""
     import torch

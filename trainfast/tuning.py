@@ -100,7 +100,7 @@ class TuneResult:
 
 
 def _key(model: torch.nn.Module, shape, device: torch.device, pinned_batch, compile_: bool) -> str:
-    structure = repr(model) + repr([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    structure = hardware.model_key(model)
     h = hashlib.sha1(f"{structure}|{tuple(shape)}|{hardware.machine_key(device)}|{pinned_batch}|{compile_}".encode())
     return h.hexdigest()
 

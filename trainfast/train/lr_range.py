@@ -45,7 +45,7 @@ class RangeTest:
 
 
 def key(net, batches_id: str, optimizer: str, speed, device) -> str:
-    structure = repr(net) + repr([(n, tuple(p.shape)) for n, p in net.named_parameters()])
+    structure = hardware.model_key(net)
     text = f"{structure}|{batches_id}|{optimizer}|{speed.label()}|{hardware.machine_key(device)}"
     return hashlib.sha1(text.encode()).hexdigest()
 

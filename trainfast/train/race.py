@@ -157,7 +157,7 @@ def table(laps: list[Lap], chosen: Speed, seconds: float, probe_images: int, cac
 
 
 def key(net, data_id: str, laps: list[Lap], optimizer: str, seconds: float, device) -> str:
-    structure = repr(net) + repr([(n, tuple(p.shape)) for n, p in net.named_parameters()])
+    structure = hardware.model_key(net)
     entrants = [(lap.speed.label(), round(lap.lr, 12)) for lap in laps]
     text = f"{structure}|{data_id}|{entrants}|{optimizer}|{seconds:.1f}|{hardware.machine_key(device)}"
     return hashlib.sha1(text.encode()).hexdigest()

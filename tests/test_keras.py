@@ -5,7 +5,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 keras = pytest.importorskip("keras")
 

@@ -314,6 +314,9 @@ def test_loss_watch_names_a_stuck_and_a_diverging_run():
     assert loss_watch([3.68, 3.62, chance + 0.01], 10, 36, 0.05, [], steps=30) is None  # 30 steps: too few to judge
     assert "has not left chance after 3 of 10 epochs" in stuck and "ln 36 = 3.584" in stuck
     assert "--lr 0.5" in stuck and "--lr 0.005" in stuck and "width-1 bottleneck" in stuck
+    # every output measured frozen: the model is the cause, and no learning rate is offered
+    frozen = loss_watch([3.68, 3.62, chance + 0.01], 10, 36, 0.05, [finding], steps=300, frozen=True)
+    assert "another learning rate would not help" in frozen and "--lr 0." not in frozen
     assert loss_watch([3.68, 3.62], 10, 36, 0.05, []) is None  # too early to judge (a warm-up)
     # the CIFAR CNN on digits with the defaults: at chance for two epochs, then it learns
     assert all(loss_watch(ls, 15, 10, 0.025, []) is None for ls in
@@ -335,6 +338,23 @@ def test_a_run_that_does_not_learn_is_stopped_with_the_reason(digits_packs, tmp_
     r = fit("cifar_cnn", train, test, config=replace(cfg, loss_watch=False), speed=Speed(batch_size=64), device=device,
             run_dir=tmp_path / "r2", progress=False, log=lambda *a: None)
     assert len(r.history) == 4
+
+
+def test_a_network_whose_units_are_dead_is_stopped_without_learning_rate_advice(digits_packs, tmp_path, device):
+    """Every hidden unit's input negative for every image: the output cannot depend on the image,
+    so fit stops naming the dead layer, and offers no other learning rate."""
+    import torch.nn as nn
+    train, test = digits_packs
+    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 16), nn.ReLU(), nn.Linear(16, 10))
+    nn.init.constant_(net[1].bias, -1e4)
+    net.input_shape, net.output_shape = (3, 32, 32), (10,)
+    cfg = TrainConfig(epochs=4, lr=1e-3, optimizer="adamw", schedule="constant")
+    with pytest.raises(TrainfastError) as e:
+        fit(net, train, test, config=cfg, speed=Speed(batch_size=64), device=device, run_dir=tmp_path / "r",
+            progress=False, log=lambda *a: None)
+    why = str(e.value)
+    assert "has not left chance" in why and "another learning rate would not help" in why
+    assert "stopped seeing its input at 2 (ReLU)" in why and "--lr 0.0" not in why
 
 
 def test_sequence_errors_count_positions_pairs_and_groups():

@@ -154,9 +154,13 @@ def structural_findings(cost: ModelCost) -> list[str]:
     for l in cost.layers:
         if l.kind == "Linear" and l.input_shape and l.input_shape[-1] == 1:
             if len(l.output_shape) >= 2:
+                k = l.output_shape[-1]
                 out.append(f"{l.name} predicts each of {l.output_shape[0]} positions from a single number "
-                           f"(its input is {l.input_shape}): a width-1 bottleneck; keep a feature vector per "
-                           "position instead")
+                           f"(its input is {l.input_shape}): a width-1 bottleneck. One number tells {k} classes "
+                           f"apart only where the {k} lines that layer draws over it take turns on top, a stretch "
+                           "per class; from random weights only a few do, so a number that varies with the image "
+                           "mostly raises the loss, and training flattens it, the layers upstream included; keep a "
+                           "feature vector per position instead")
             else:
                 out.append(f"{l.name} sees a single feature (input {l.input_shape}): a width-1 bottleneck")
     convs = [l for l in cost.layers if l.kind == "Conv2d" and len(l.output_shape) == 3]
@@ -198,8 +202,26 @@ def constant_outputs(net: nn.Module, x: torch.Tensor, when: str = "") -> list[st
     gradient). Where every output is, also the first layer whose whole output is (where the
     network stopped seeing its input). Run in eval mode on `net` itself, without gradients;
     its mode is restored."""
+    found = still_outputs(net, x)
+    return [still_finding(*found, len(x), when)] if found else []
+
+
+def still_finding(still: torch.Tensor, origin: str, images: int, when: str = "") -> str:
+    """still_outputs' measurement in words (the doctor's and the loss watch's finding)."""
+    where = (f" at {int(still.sum())} of {len(still)} positions "
+             f"({', '.join(str(int(i) + 1) for i in still.nonzero().flatten())})" if len(still) > 1 else "")
+    return (f"{when}the model's output{where} is the same for all {images} training images it was shown{origin}: "
+            "nothing upstream reaches it, so no learning rate can move it (in a ReLU network, units whose input "
+            "is negative for every image are dead and pass no gradient); a normalisation layer before the "
+            "activation, or keeping a feature vector per output instead of one number, avoids it")
+
+
+def still_outputs(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """(still, origin): per output position (one entry for a plain classifier), True where the
+    output is the same for every image of `x`; and where all are, in words, the first layer
+    where the network stopped seeing its input. None where no output is still."""
     if len(x) < 2:
-        return []
+        return None
     was_training = net.training
     net.eval()
     layers: list[tuple[str, nn.Module, torch.Tensor]] = []  # leaf layers, in the order they ran
@@ -214,19 +236,17 @@ def constant_outputs(net: nn.Module, x: torch.Tensor, when: str = "") -> list[st
         with torch.no_grad():
             out = net(x).float()
     except Exception:  # noqa: BLE001 - a finding is a bonus: a model that will not run here gets none
-        return []
+        return None
     finally:
         for h in handles:
             h.remove()
         net.train(was_training)
     if out.dim() < 2 or not torch.isfinite(out).all():
-        return []
+        return None
     spread = _still(out)
     still = spread.flatten(1).all(1) if out.dim() >= 3 else spread.all().reshape(1)
     if not still.any():
-        return []
-    where = (f" at {int(still.sum())} of {len(still)} positions "
-             f"({', '.join(str(int(i) + 1) for i in still.nonzero().flatten())})" if out.dim() >= 3 else "")
+        return None
     origin = ""
     if still.all():
         first = next(((n, m, t, float(_still(t).float().mean())) for n, m, t in layers[:-1]
@@ -237,7 +257,5 @@ def constant_outputs(net: nn.Module, x: torch.Tensor, when: str = "") -> list[st
             origin = (f"; the network stopped seeing its input at {n} ({type(m).__name__}): "
                       f"{_pct(share)} of its values are the same for every image"
                       + (f" ({_pct(zeros)} of them zero)" if zeros >= 0.01 else ""))
-    return [f"{when}the model's output{where} is the same for all {len(x)} training images it was shown{origin}: "
-            "nothing upstream reaches it, so no learning rate can move it (in a ReLU network, units whose input "
-            "is negative for every image are dead and pass no gradient); a normalisation layer before the "
-            "activation, or keeping a feature vector per output instead of one number, avoids it"]
+    return still, origin
+

@@ -510,23 +510,26 @@ def _classes(net) -> int:
     return int(out[-1]) if out else 0
 
 
-def _findings(net, pk: Pack, x: torch.Tensor) -> list[str]:
-    """The doctor's findings about `net`: outputs that training images do not change (measured
-    on the batch `x`, on the model as trained so far), then its structure (counted on a copy,
-    on the CPU)."""
-    from trainfast.diagnose.cost import constant_outputs, layer_costs
+def _findings(net, pk: Pack, x: torch.Tensor) -> tuple[list[str], bool]:
+    """The doctor's findings about `net`, and whether every output is frozen: outputs that
+    training images do not change (measured on the batch `x`, on the model as trained so far),
+    then its structure (counted on a copy, on the CPU)."""
+    from trainfast.diagnose.cost import layer_costs, still_finding, still_outputs
     h, w, c = pk.shape
-    found = constant_outputs(net, x, when="now ")
+    still = still_outputs(net, x)
+    found = [still_finding(*still, len(x), when="now ")] if still else []
+    frozen = bool(still and still[0].all())
     try:
-        return found + layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w)).findings
+        return found + layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w)).findings, frozen
     except Exception:  # noqa: BLE001 - a model the counter cannot trace: no structural findings, still a message
-        return found
+        return found, frozen
 
 
 def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findings: list[str],
-               steps: int = STUCK_STEPS) -> str | None:
+               steps: int = STUCK_STEPS, frozen: bool = False) -> str | None:
     """Why the run should stop, in words, or None. `losses`: training loss per epoch so far;
-    `steps`: optimizer steps taken.
+    `steps`: optimizer steps taken; `frozen`: the findings measured every output the same for
+    all training images (then no learning rate is the remedy, and none is offered).
 
     A cross-entropy loss that stays at ln K (K classes per prediction) means the model
     predicts chance; with a warm-up a good run can sit there for an epoch or two (the CIFAR
@@ -541,10 +544,13 @@ def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findin
         return (f"the training loss is diverging: {losses[0]:.3f} after epoch 1, {last:.3f} after epoch {n}. "
                 f"The learning rate ({lr:.3g}) is likely too high: try --lr {lr / 10:.2g}, or --clip 1.{hint}")
     if n >= max(2, math.ceil(STUCK_SHARE * epochs)) and steps >= STUCK_STEPS and last >= (1 - STUCK_MARGIN) * chance:
+        why = ("its output no longer depends on its input, so another learning rate would not help; the "
+               "model's structure is the cause" if frozen else
+               f"the learning rate ({lr:.3g}) may be too low (try --lr {lr * 10:.2g}) or too high "
+               f"(--lr {lr / 10:.2g}), or the model cannot carry what the task needs")
         return (f"the training loss has not left chance after {n} of {epochs} epochs: {last:.3f}, where predicting "
-                f"all {classes} classes alike gives ln {classes} = {chance:.3f}. The model is not learning: the "
-                f"learning rate ({lr:.3g}) may be too low (try --lr {lr * 10:.2g}) or too high (--lr {lr / 10:.2g}), "
-                f"or the model cannot carry what the task needs.{hint} (--no-loss-watch trains on regardless.)")
+                f"all {classes} classes alike gives ln {classes} = {chance:.3f}. The model is not learning: "
+                f"{why}.{hint} (--no-loss-watch trains on regardless.)")
     return None
 
 
@@ -762,8 +768,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     break
                 watch = (state["losses"], cfg.epochs, _classes(net), lr)
                 if cfg.loss_watch and loss_watch(*watch, [], state["step"]):
-                    why = loss_watch(*watch, _findings(net, train_pk, loader.batch(0, epoch=epoch)[0]),
-                                     state["step"])
+                    findings, frozen = _findings(net, train_pk, loader.batch(0, epoch=epoch)[0])
+                    why = loss_watch(*watch, findings, state["step"], frozen)
                     if state["epoch"] < cfg.epochs:  # epochs left: stop rather than spend them
                         raise TrainfastError(f"{why} Stopped; the run so far is in {run_dir}.")
                     say(f"warning: {why}")

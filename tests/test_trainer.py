@@ -49,6 +49,24 @@ def _weights(path):
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
+def test_curves_are_drawn_at_most_every_few_seconds_and_always_at_the_end(digits_packs, small_net_file, tmp_path,
+                                                                          monkeypatch):
+    """A draw costs 0.1-0.4 s, 5-20% of a 2 s epoch: short epochs draw once, at the end; with
+    no interval every epoch draws."""
+    from trainfast.train import trainer
+    drawn = []
+    monkeypatch.setattr(trainer, "plot_curves", lambda rows, path, seq: drawn.append(len(rows)))
+    train, test = digits_packs
+    kw = dict(config=TrainConfig(epochs=3, lr=1e-3, optimizer="adamw"), speed=Speed(batch_size=64), device="cpu",
+              progress=False, log=lambda *a: None)
+    fit(str(small_net_file) + ":small", train, test, run_dir=tmp_path / "a", **kw)
+    assert drawn == [3]
+    drawn.clear()
+    monkeypatch.setattr(trainer, "PLOT_EVERY_S", 0.0)
+    fit(str(small_net_file) + ":small", train, test, run_dir=tmp_path / "b", **kw)
+    assert drawn == [1, 2, 3]
+
+
 def test_kill_and_resume_matches_uninterrupted(digits_packs, small_net_file, tmp_path, device):
     train, _ = digits_packs
     spec = f"{small_net_file}:small"
@@ -335,6 +353,7 @@ def test_a_run_that_does_not_learn_is_stopped_with_the_reason(digits_packs, tmp_
         fit("cifar_cnn", train, test, config=cfg, speed=Speed(batch_size=64), device=device, run_dir=tmp_path / "r",
             progress=False, log=lambda *a: None)
     assert (tmp_path / "r" / "last.pt").is_file()  # the run so far is kept
+    assert (tmp_path / "r" / "curves.png").is_file()  # drawn at the stop, though its epochs were short
     r = fit("cifar_cnn", train, test, config=replace(cfg, loss_watch=False), speed=Speed(batch_size=64), device=device,
             run_dir=tmp_path / "r2", progress=False, log=lambda *a: None)
     assert len(r.history) == 4

@@ -46,7 +46,7 @@ MAX_STEPS = 60
 MAX_BATCH = {"cpu": 512, "cuda": 8192}  # the largest batch tried unless the caller bounds it
 FILL_GAIN = 1.10  # CUDA: a doubling of the batch that gains less than this has filled the device
 START_STEP_S = 0.5  # CPU: the first batch tried is sized so that one step takes about this long
-START_EFFICIENCY = 0.3  # ... assuming a training step reaches this share of the measured fp32 matmul peak
+START_PROBE = 4  # ... timed at this batch (smaller batches overstate the cost per image 2-3x)
 _DEFAULT_THREADS = torch.get_num_threads()  # restored after a trial that pins threads
 _clock = time.perf_counter  # the tune's own elapsed time (tests replace it)
 
@@ -191,19 +191,29 @@ def _fill(run, batch: int, max_batch: int) -> Trial:
 
 
 def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, max_batch: int) -> int:
-    """The first batch to try: 64, or on the CPU less where the model's counted training FLOPs
-    would make a step at 64 take more than START_STEP_S (the 512² story's CNN: 13 s per step at
-    64 on 2 cores; a tune of several steps per candidate outlasted a one-epoch run)."""
+    """The first batch to try: 64, or on the CPU less where a training step at 64 would take
+    more than START_STEP_S (the 512² story's CNN: 13 s per step at 64 on 2 cores; a tune of
+    several steps per candidate outlasted a one-epoch run). The cost per image is timed: one
+    fp32 training step of a copy at batch START_PROBE, the faster of two after a warm-up (a
+    step that alone exceeds START_STEP_S ends it). Counting FLOPs instead took 3 s of a first
+    tune of a 6 s run: the FLOP counter's import and the machine's peak measurement."""
     b = min(64, max_batch)
-    if device.type != "cpu":
+    if device.type != "cpu" or b <= START_PROBE:
         return b
     try:
-        from trainfast.diagnose.cost import layer_costs
-        flops = layer_costs(copy.deepcopy(model), tuple(input_shape)).train_flops
-        per_image = flops / (START_EFFICIENCY * hardware.peaks(device)["matmul_flops"]["float32"])
-    except Exception:  # noqa: BLE001 - a model the counter cannot trace: the usual start
+        net = copy.deepcopy(model).eval()  # no dropout: the global random state stays as it was
+        x = torch.randn(START_PROBE, *input_shape, generator=torch.Generator().manual_seed(0))
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            net(x).float().square().mean().backward()
+            times.append(time.perf_counter() - t)
+            if times[-1] > START_STEP_S:
+                break
+        per_image = min(times[1:] or times) / START_PROBE
+    except Exception:  # noqa: BLE001 - a model that will not run on random input here: the usual start
         return b
-    while b > 4 and b * per_image > START_STEP_S:
+    while b > START_PROBE and b * per_image > START_STEP_S:
         b //= 2
     return b
 

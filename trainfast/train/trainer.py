@@ -273,6 +273,9 @@ class _Watch:
         return self.partial[0] / max(self.partial[3], 1)
 
 
+PLOT_EVERY_S = 20.0  # curves.png is redrawn at most this often (a draw takes 0.1-0.4 s: 5-20% of a 2 s epoch)
+
+
 @dataclass
 class _Run:
     """A training run's moving parts, and what is done with them: an epoch of steps, the end
@@ -296,6 +299,17 @@ class _Run:
     watch: _Watch
     log_csv: MetricsLog
     sequence: bool
+    plotted: tuple[int, float] = (0, 0.0)  # rows drawn in curves.png, and when (set at the start)
+
+    def plot(self, force: bool = False) -> None:
+        """Redraw curves.png with the rows so far: at most every PLOT_EVERY_S, and when `force`d
+        (the run's end, however it ends)."""
+        rows, (drawn, at) = self.log_csv.rows, self.plotted
+        if not self.world.is_main or len(rows) == drawn:
+            return
+        if force or time.perf_counter() - at >= PLOT_EVERY_S:
+            plot_curves(rows, self.run_dir / "curves.png", self.sequence)
+            self.plotted = (len(rows), time.perf_counter())
 
     def train_epoch(self, epoch: int, interrupts: _Interrupts, progress: bool) -> dict:
         """The steps of `epoch` from where the loader stands; the epoch's training row."""
@@ -342,7 +356,7 @@ class _Run:
         self.watch.partial = state["partial"]
         if self.world.is_main:
             self.log_csv.add(row)
-            plot_curves(self.log_csv.rows, self.run_dir / "curves.png", self.sequence)
+        self.plot()
         self.save(epoch, ("last.pt", "best.pt") if improved else ("last.pt",))
         self.say(_epoch_line(row, self.sequence))
         return bool(self.cfg.patience and state["bad_epochs"] >= self.cfg.patience)
@@ -755,7 +769,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     state.setdefault("position", loader.position)  # checkpoints from before it was kept in state
     run = _Run(name, net, trained, opt, sched, scaler, loader, val_loader, cfg, speed, dev, world, run_dir, say,
                state, _Watch(dev, state["partial"], every=READ_EVERY.get(dev.type, READ_EVERY["cuda"])), log_csv,
-               train_pk.sequence_length is not None)
+               train_pk.sequence_length is not None, (len(log_csv.rows), time.perf_counter()))
     stopped, epoch = "finished", state["epoch"]
     interrupts = _Interrupts(world.is_main)
     try:
@@ -781,5 +795,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
             say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
         raise
     finally:
+        with contextlib.suppress(Exception):  # the figure is not worth hiding why a run stopped
+            run.plot(force=True)
         distributed.barrier(world)
     return FitResult(run_dir, log_csv.rows, state["best"], speed, stopped)

@@ -196,7 +196,7 @@ def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, m
     several steps per candidate outlasted a one-epoch run). The cost per image is timed: one
     fp32 training step of a copy at batch START_PROBE, the faster of two after a warm-up (a
     step that alone exceeds START_STEP_S ends it). Counting FLOPs instead took 3 s of a first
-    tune of a 6 s run: the FLOP counter's import and the machine's peak measurement."""
+    cifar_resnet tune's 4.8 s: the FLOP counter's import and the machine's peak measurement."""
     b = min(64, max_batch)
     if device.type != "cpu" or b <= START_PROBE:
         return b

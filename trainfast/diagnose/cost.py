@@ -141,8 +141,9 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
 
 
 def structural_findings(cost: ModelCost) -> list[str]:
-    """Findings about the model's shape, each with its one-line reason."""
-    out = []
+    """Findings about the model's shape, each with its one-line reason: what may keep it from
+    learning (learning_findings), then what makes it costly."""
+    out = learning_findings(cost)
     if cost.params:
         big = max(cost.layers, key=lambda l: l.params)
         share = big.params / cost.params
@@ -151,6 +152,21 @@ def structural_findings(cost: ModelCost) -> list[str]:
             out.append(f"{big.name} ({big.kind}) holds {share:.0%} of the parameters ({big.params:,}) but "
                        f"{flop_share:.1%} of the FLOPs: it dominates memory and overfitting risk, not time; "
                        "global average pooling before the classifier removes most of it")
+    convs = [l for l in cost.layers if l.kind == "Conv2d" and len(l.output_shape) == 3]
+    c, h, w = cost.input_shape
+    if convs and h * w >= 256 * 256:
+        first = convs[0]
+        if first.flops / max(cost.forward_flops, 1) > 0.3:
+            out.append(f"the input is {h}×{w}: the first convolution alone costs "
+                       f"{first.flops / max(cost.forward_flops, 1):.0%} of the FLOPs; check whether a smaller "
+                       "input resolution loses any accuracy")
+    return out
+
+
+def learning_findings(cost: ModelCost) -> list[str]:
+    """The structural findings that bear on whether the model can learn (what `fit`'s loss
+    watch quotes for a run stuck at chance): a width-1 bottleneck, filters that shrink."""
+    out = []
     for l in cost.layers:
         if l.kind == "Linear" and l.input_shape and l.input_shape[-1] == 1:
             if len(l.output_shape) >= 2:
@@ -168,13 +184,6 @@ def structural_findings(cost: ModelCost) -> list[str]:
         if b.output_shape[0] < a.output_shape[0] and b.output_shape[1] < a.output_shape[1]:
             out.append(f"filters shrink from {a.output_shape[0]} to {b.output_shape[0]} after downsampling "
                        f"({a.name} → {b.name}): usual practice doubles them as resolution halves")
-    c, h, w = cost.input_shape
-    if convs and h * w >= 256 * 256:
-        first = convs[0]
-        if first.flops / max(cost.forward_flops, 1) > 0.3:
-            out.append(f"the input is {h}×{w}: the first convolution alone costs "
-                       f"{first.flops / max(cost.forward_flops, 1):.0%} of the FLOPs; check whether a smaller "
-                       "input resolution loses any accuracy")
     return out
 
 

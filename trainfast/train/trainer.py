@@ -525,16 +525,16 @@ def _classes(net) -> int:
 
 
 def _findings(net, pk: Pack, x: torch.Tensor) -> tuple[list[str], bool]:
-    """The doctor's findings about `net`, and whether every output is frozen: outputs that
-    training images do not change (measured on the batch `x`, on the model as trained so far),
-    then its structure (counted on a copy, on the CPU)."""
-    from trainfast.diagnose.cost import layer_costs, still_finding, still_outputs
+    """The doctor's findings about why `net` may not learn, and whether every output is frozen:
+    outputs that training images do not change (measured on the batch `x`, on the model as
+    trained so far), then its shape (counted on a copy, on the CPU; not its costs)."""
+    from trainfast.diagnose.cost import layer_costs, learning_findings, still_finding, still_outputs
     h, w, c = pk.shape
     still = still_outputs(net, x)
     found = [still_finding(*still, len(x), when="now ")] if still else []
     frozen = bool(still and still[0].all())
     try:
-        return found + layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w)).findings, frozen
+        return found + learning_findings(layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w))), frozen
     except Exception:  # noqa: BLE001 - a model the counter cannot trace: no structural findings, still a message
         return found, frozen
 

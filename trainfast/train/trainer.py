@@ -299,7 +299,7 @@ class _Run:
     watch: _Watch
     log_csv: MetricsLog
     sequence: bool
-    plotted: tuple[int, float] = (0, 0.0)  # rows drawn in curves.png, and when (set at the start)
+    plotted: tuple[int, float]  # rows drawn in curves.png, and when (at the start: the rows resumed, now)
 
     def plot(self, force: bool = False) -> None:
         """Redraw curves.png with the rows so far: at most every PLOT_EVERY_S, and when `force`d

@@ -55,7 +55,10 @@ def test_outputs_no_image_changes_are_found_dead():
     negative for every image is dead (its output constant), and training cannot revive it."""
     import torch
 
-    from trainfast.diagnose.cost import constant_outputs
+    from trainfast.diagnose.cost import measured_findings
+
+    def constant_outputs(net, x):
+        return [f for f in measured_findings(net, x)[0] if "is the same for all" in f]
 
     class Head(nn.Module):
         def __init__(self):
@@ -87,3 +90,60 @@ def test_outputs_no_image_changes_are_found_dead():
     assert "stopped seeing its input at 2 (ReLU): 100% of its values are the same for every image (100% of them " \
            "zero)" in constant_outputs(dead, x)[0]  # where the collapse starts: the ReLU, not the Linear before it
     assert "stopped seeing" not in found[0]  # some positions still see the images: no single place
+
+
+def test_lines_on_top_is_the_upper_envelope():
+    """The classes a one-number head can name: checked against the argmax on a fine grid."""
+    import math
+
+    import torch
+
+    from trainfast.diagnose.cost import lines_on_top
+
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        a, b = torch.rand(36, generator=g) * 2 - 1, torch.rand(36, generator=g) * 2 - 1
+        for lo, hi in ((0.0, math.inf), (-math.inf, math.inf), (0.1, 0.4), (0.3, 0.3)):
+            cross = [((b[i] - b[j]) / (a[j] - a[i])).item() for i in range(36) for j in range(36) if a[i] != a[j]]
+            pts = sorted({lo, hi, *(c for c in cross if lo < c < hi)} - {math.inf, -math.inf})
+            pts = [min(pts) - 1e3] * math.isinf(lo) + pts + [max(pts) + 1e3] * math.isinf(hi)
+            grid = torch.tensor(pts + [(p + q) / 2 for p, q in zip(pts, pts[1:])], dtype=torch.float64).sort().values
+            brute = (grid[:, None] * a.double() + b.double()).argmax(1).unique_consecutive().tolist()
+            assert lines_on_top(a, b, lo, hi) == brute, (seed, lo, hi)
+    assert lines_on_top(torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0])) == [1]  # parallel: the higher one
+
+
+def test_one_number_head_reach_is_measured():
+    """plate_cnn's head at its own weights: the doctor counts the classes it can name at all."""
+    import torch
+
+    from trainfast.diagnose.cost import measured_findings
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scalar = nn.Linear(12, 2)
+            self.per_position = nn.Linear(1, 5)
+
+        def forward(self, x):
+            return self.per_position(torch.relu(self.scalar(x.flatten(1))).unsqueeze(-1))  # (B, 2, 5)
+
+    net = Head()
+    x = torch.rand(16, 3, 2, 2)
+    with torch.no_grad():
+        net.scalar.weight.fill_(0.1)
+        net.scalar.bias.zero_()  # the numbers lie in 0 … 1.2
+        net.per_position.weight.copy_(torch.tensor([[0.0], [1.0], [2.0], [-1.0], [0.5]]))
+        net.per_position.bias.copy_(torch.tensor([0.0, -0.5, -3.0, 1.0, -10.0]))
+    found, frozen = measured_findings(net, x)
+    # above 0: class 4 (index 3) until 0.5, then 2 (index 1) until 2.5, then 3 (index 2); class 5 never
+    assert not frozen and len(found) == 1
+    assert "only 3 of the 5 are on top anywhere above 0" in found[0] and "3/5 (60%)" in found[0]
+    assert found[0].endswith("2 are on top")  # the images' numbers (0.1 … 1.2) reach classes 4 and 2
+    with torch.no_grad():
+        net.per_position.weight.copy_(torch.arange(5.0)[:, None])
+        net.per_position.bias.copy_(-torch.arange(5.0) ** 2 / 2)  # an ordinal code: class k on top from k-½ to k+½
+        net.scalar.weight.fill_(0.5)
+    x = torch.linspace(0, 1, 16)[:, None, None, None].expand(16, 3, 2, 2)  # numbers 0 … 6 cross every stretch
+    assert measured_findings(net, x)[0] == []
+    assert measured_findings(nn.Sequential(nn.Flatten(), nn.Linear(12, 3)), x) == ([], False)

@@ -50,7 +50,7 @@ def test_the_users_plate_cnn_is_stopped_and_told_why(plate_packs, tmp_path):
     every image, no gradient), it stays at chance, and the loss watch stops it naming the
     measured dead outputs and the bottleneck (the doctor's findings)."""
     train, test = plate_packs
-    with pytest.raises(trainfast.TrainfastError, match="not left chance.*is the same for all.*width-1 bottleneck") as e:
+    with pytest.raises(trainfast.TrainfastError, match="not left chance.*is the same for all.*lines over its single input.*width-1 bottleneck") as e:
         fit("plate_cnn", train, test, epochs=6, device="cpu", run_dir=tmp_path / "r", **QUIET)
     assert "of the parameters" not in str(e.value)  # a cost finding, not a reason for not learning
 

@@ -27,7 +27,7 @@ from trainfast.data.format import Pack, is_pack
 from trainfast.data.loader import Loader
 from trainfast.data.naive import PerImageBatches
 from trainfast.data.sources import Source, open_source
-from trainfast.diagnose.cost import ModelCost, constant_outputs, layer_costs
+from trainfast.diagnose.cost import ModelCost, layer_costs, measured_findings
 from trainfast.diagnose.storage import read_throughput, storage_sentence
 from trainfast.diagnose.timing import StepTimes, step_breakdown, synthetic_batches, throughput
 from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, roofline, verdict
@@ -164,7 +164,7 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
         raise TrainfastError(str(e)) from None
     if pk is not None or isinstance(batches, PerImageBatches):  # data that can be read twice
         x = next(iter(batches))[0]
-        cost.findings = constant_outputs(copy.deepcopy(net).cpu().float(), x.cpu().float()) + cost.findings
+        cost.findings = measured_findings(copy.deepcopy(net).cpu().float(), x.cpu().float())[0] + cost.findings
     log(f"timing {steps} training steps on {described}…")
     with hardware.OtherLoad() as load:
         times = step_breakdown(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=warmup)

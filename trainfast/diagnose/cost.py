@@ -204,15 +204,22 @@ def _still(t: torch.Tensor) -> torch.Tensor:
     return (t - t[:1]).abs().amax(dim=0) <= 1e-5 * (1 + t.abs().amax(dim=0))
 
 
-def constant_outputs(net: nn.Module, x: torch.Tensor, when: str = "") -> list[str]:
-    """A measured finding: the model's outputs that are the same for every image of the batch
-    `x` (images that differ). Nothing upstream reaches such an output, so training cannot move
-    it; in a ReLU network that is a dead unit (its input negative for every image: no
-    gradient). Where every output is, also the first layer whose whole output is (where the
-    network stopped seeing its input). Run in eval mode on `net` itself, without gradients;
-    its mode is restored."""
-    found = still_outputs(net, x)
-    return [still_finding(*found, len(x), when)] if found else []
+def measured_findings(net: nn.Module, x: torch.Tensor, when: str = "") -> tuple[list[str], bool]:
+    """Findings measured by running `net` on the batch `x` (images that differ), and whether
+    every output is frozen: outputs that are the same for every image (still_outputs), and a
+    width-1 head that can name only some of its classes whatever the image (head_reach). Run
+    in eval mode on `net` itself, without gradients; its mode is restored."""
+    traced = _trace(net, x)
+    if traced is None:
+        return [], False
+    out, layers = traced
+    found, frozen = [], False
+    still = _still_outputs(out, layers, len(x))
+    if still is not None:
+        found.append(still_finding(*still, len(x), when))
+        frozen = bool(still[0].all())
+    reach = head_reach(out, layers, len(x), when)
+    return found + ([reach] if reach else []), frozen
 
 
 def still_finding(still: torch.Tensor, origin: str, images: int, when: str = "") -> str:
@@ -225,20 +232,24 @@ def still_finding(still: torch.Tensor, origin: str, images: int, when: str = "")
             "activation, or keeping a feature vector per output instead of one number, avoids it")
 
 
-def still_outputs(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
-    """(still, origin): per output position (one entry for a plain classifier), True where the
-    output is the same for every image of `x`; and where all are, in words, the first layer
-    where the network stopped seeing its input. None where no output is still."""
+Traced = tuple[torch.Tensor, list[tuple[str, nn.Module, torch.Tensor, torch.Tensor]]]
+
+
+def _trace(net: nn.Module, x: torch.Tensor) -> Traced | None:
+    """(output, leaf layers in the order they ran as (name, module, input, output)) of `net`
+    on `x` in eval mode without gradients, or None where it will not run or gives no finite
+    (batch, ...) output."""
     if len(x) < 2:
         return None
     was_training = net.training
     net.eval()
-    layers: list[tuple[str, nn.Module, torch.Tensor]] = []  # leaf layers, in the order they ran
+    layers: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor]] = []
 
     def record(name):
         def hook(module, args, output):
             if isinstance(output, torch.Tensor) and output.dim() >= 1 and len(output) == len(x):
-                layers.append((name, module, output.detach()))
+                first = args[0].detach() if args and isinstance(args[0], torch.Tensor) else None
+                layers.append((name, module, first, output.detach()))
         return hook
     handles = [m.register_forward_hook(record(n)) for n, m in net.named_modules() if n and not list(m.children())]
     try:
@@ -252,13 +263,25 @@ def still_outputs(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, str] |
         net.train(was_training)
     if out.dim() < 2 or not torch.isfinite(out).all():
         return None
+    return out, layers
+
+
+def still_outputs(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """(still, origin): per output position (one entry for a plain classifier), True where the
+    output is the same for every image of `x`; and where all are, in words, the first layer
+    where the network stopped seeing its input. None where no output is still."""
+    traced = _trace(net, x)
+    return _still_outputs(*traced, len(x)) if traced else None
+
+
+def _still_outputs(out, layers, images: int) -> tuple[torch.Tensor, str] | None:
     spread = _still(out)
     still = spread.flatten(1).all(1) if out.dim() >= 3 else spread.all().reshape(1)
     if not still.any():
         return None
     origin = ""
     if still.all():
-        first = next(((n, m, t, float(_still(t).float().mean())) for n, m, t in layers[:-1]
+        first = next(((n, m, t, float(_still(t).float().mean())) for n, m, _, t in layers[:-1]
                       if t.dim() >= 2 and _still(t).float().mean() >= STILL_SHARE), None)
         if first is not None:
             n, m, t, share = first
@@ -268,3 +291,62 @@ def still_outputs(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, str] |
                       + (f" ({_pct(zeros)} of them zero)" if zeros >= 0.01 else ""))
     return still, origin
 
+
+def lines_on_top(slopes: torch.Tensor, offsets: torch.Tensor, lo: float = -math.inf,
+                 hi: float = math.inf) -> list[int]:
+    """The lines y_k(s) = slopes[k]·s + offsets[k] that are the highest of all for some s in
+    [lo, hi], from left to right (the upper envelope). A layer that maps one number to K
+    logits can only ever predict these classes."""
+    a, b = slopes.double().tolist(), offsets.double().tolist()
+    if math.isinf(lo):  # far left the smallest slope wins (ties: the higher line)
+        cur = min(range(len(a)), key=lambda k: (a[k], -b[k]))
+    else:  # ties: the steeper line, which stays on top to the right
+        cur = max(range(len(a)), key=lambda k: (a[k] * lo + b[k], a[k]))
+    s, order = lo, [cur]
+    while True:  # walk right: the next line to overtake the current one
+        nxt = None
+        for k in range(len(a)):
+            if a[k] > a[cur]:
+                cross = max((b[cur] - b[k]) / (a[k] - a[cur]), s)
+                if nxt is None or (cross, -a[k]) < nxt:
+                    nxt = (cross, -a[k], k)
+        if nxt is None or nxt[0] > hi:
+            return order
+        s, cur = nxt[0], nxt[2]
+        order.append(cur)
+
+
+def head_reach(out: torch.Tensor, layers, images: int, when: str = "") -> str | None:
+    """A measured finding for a model whose last layer maps one number to its K logits
+    (Linear(1, K), plate_cnn's head): how many of the K classes it can name at all at its
+    current weights (lines on top anywhere in the range its input can take: above 0 where
+    every value it was given is ≥ 0, as after a ReLU), and how many the images' own values
+    reach. None for any other model, or where every class is reachable from these images."""
+    if not layers:
+        return None
+    name, last, inp, res = layers[-1]
+    if not (isinstance(last, nn.Linear) and last.in_features == 1 and inp is not None
+            and res.shape == out.shape and last.out_features >= 2):
+        return None
+    k = last.out_features
+    a, b = last.weight.detach().flatten().float().cpu(), (last.bias.detach().float().cpu() if last.bias is not None
+                                                          else torch.zeros(k))
+    v = inp.float().cpu().reshape(images, -1)  # the number per image, one column per position
+    lo = 0.0 if float(v.min()) >= 0 else -math.inf
+    anywhere = lines_on_top(a, b, lo)
+    seen = set()
+    for col in v.T:
+        seen.update(lines_on_top(a, b, float(col.min()), float(col.max())))
+    if len(seen) >= k:
+        return None
+    where = "above 0, where all of its input lies" if lo == 0 else "over the whole line"
+    r = len(anywhere)
+    lo_v, hi_v = float(v.min()), float(v.max())
+    span = f"all {lo_v:.3g}" if lo_v == hi_v else f"{lo_v:.3g} to {hi_v:.3g}"
+    reach = (f"only {r} of the {k} are on top anywhere {where}, so whatever the image the model names one of "
+             f"{r} classes, and at most {r}/{k} ({r / k:.0%}) of evenly spread labels can be right" if r < k
+             else f"all {k} are on top somewhere {where}, but the images do not reach most of them")
+    return (f"{when}{name} draws {k} lines over its single input number, one per class, and predicts the class "
+            f"whose line is on top: at these weights {reach}; over the values these {images} training images give "
+            f"it ({span}), {len(seen)} {'is' if len(seen) == 1 else 'are'} "
+            "on top")

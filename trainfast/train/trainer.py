@@ -528,11 +528,9 @@ def _findings(net, pk: Pack, x: torch.Tensor) -> tuple[list[str], bool]:
     """The doctor's findings about why `net` may not learn, and whether every output is frozen:
     outputs that training images do not change (measured on the batch `x`, on the model as
     trained so far), then its shape (counted on a copy, on the CPU; not its costs)."""
-    from trainfast.diagnose.cost import layer_costs, learning_findings, still_finding, still_outputs
+    from trainfast.diagnose.cost import layer_costs, learning_findings, measured_findings
     h, w, c = pk.shape
-    still = still_outputs(net, x)
-    found = [still_finding(*still, len(x), when="now ")] if still else []
-    frozen = bool(still and still[0].all())
+    found, frozen = measured_findings(net, x, when="now ")
     try:
         return found + learning_findings(layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w))), frozen
     except Exception:  # noqa: BLE001 - a model the counter cannot trace: no structural findings, still a message

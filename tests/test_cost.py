@@ -147,3 +147,13 @@ def test_one_number_head_reach_is_measured():
     x = torch.linspace(0, 1, 16)[:, None, None, None].expand(16, 3, 2, 2)  # numbers 0 … 6 cross every stretch
     assert measured_findings(net, x)[0] == []
     assert measured_findings(nn.Sequential(nn.Flatten(), nn.Linear(12, 3)), x) == ([], False)
+
+    class Scaled(Head):
+        def forward(self, x):
+            return super().forward(x) * torch.arange(1.0, 6.0)  # the lines are not the logits any more
+
+    scaled = Scaled()
+    scaled.load_state_dict(net.state_dict())
+    with torch.no_grad():
+        scaled.scalar.weight.fill_(0.0)  # every image gives the same number: one class on top
+    assert not any("lines over its single input" in f for f in measured_findings(scaled, x)[0])

@@ -178,3 +178,23 @@ def test_loader_advice_only_where_a_measurement_says_it_helps(pack, monkeypatch,
         assert "10.0 → 4.0 ms per batch" in recs[0].evidence and "gathered by 2 threads" in recs[0].evidence
     else:
         assert recs == []
+
+
+def test_cli_reads_a_csv_by_the_columns_it_is_given(image_folder, tmp_path, capsys):
+    """A CSV whose label column is not called 'label' (make-plates writes path,plate,font): the
+    doctor takes --label-column as pack does, and without it names the option and the columns."""
+    rows = sorted(p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.jpg"))
+    csv = image_folder / "list.csv"
+    csv.write_text("path,kind,note\n" + "".join(f"{r},{r.split('/')[0]},x\n" for r in rows))
+    model = tmp_path / "m.py"
+    model.write_text("import torch.nn as nn\nclass Net(nn.Module):\n    input_shape = (3, 16, 16)\n"
+                     "    def __init__(self):\n        super().__init__()\n"
+                     "        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(768, 2))\n"
+                     "    def forward(self, x):\n        return self.fc(x)\n")
+    base = ["doctor", "--model", f"{model}:Net", "--data", str(csv), "--batch-size", "8", "--steps", "1",
+            "--device", "cpu", "--no-fixes"]
+    assert main(base) == 1
+    assert "no column 'label' (--label-column); columns are path, kind, note" in capsys.readouterr().err
+    assert main(base + ["--label-column", "kind"]) == 0
+    out = capsys.readouterr().out
+    assert f"csv {csv} ({len(rows)} files, decoded per image per batch)" in out and "STORAGE" in out

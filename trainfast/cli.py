@@ -37,6 +37,22 @@ def _dims(text: str, n: int, example: str) -> tuple[int, ...]:
     return values
 
 
+def _csv_options(p: argparse.ArgumentParser) -> None:
+    """The options of a CSV source, the same for `pack` and `doctor`."""
+    p.add_argument("--path-column", default="path", help="CSV column of image paths (default: path)")
+    p.add_argument("--label-column", default="label", help="CSV column of labels (default: label)")
+    p.add_argument("--labels", choices=("auto", "class", "sequence"), default="auto", dest="label_kind",
+                   help="CSV labels as class names or fixed-length sequences such as plates; auto decides "
+                        "from the labels (default: auto)")
+    p.add_argument("--alphabet", default="0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                   help="characters of sequence labels (default: 0-9A-Z)")
+
+
+def _csv_values(a) -> dict:
+    return {"path_column": a.path_column, "label_column": a.label_column, "label_kind": a.label_kind,
+            "alphabet": a.alphabet}
+
+
 def _size(text: str) -> tuple[int, int]:
     """'64x128' (height × width) or '32' (square) → (64, 128)."""
     return _dims(text, 2, "64x128")
@@ -99,13 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--seed", type=int, default=0, help="seed of the stored order (default: 0)")
     pk.add_argument("--overwrite", action="store_true",
                     help="replace a trainfast pack already at OUT (never anything else, nor a folder holding the source)")
-    pk.add_argument("--path-column", default="path", help="CSV column of image paths (default: path)")
-    pk.add_argument("--label-column", default="label", help="CSV column of labels (default: label)")
-    pk.add_argument("--labels", choices=("auto", "class", "sequence"), default="auto", dest="label_kind",
-                    help="CSV labels as class names or fixed-length sequences such as plates; auto decides "
-                         "from the labels (default: auto)")
-    pk.add_argument("--alphabet", default="0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ",
-                    help="characters of sequence labels (default: 0-9A-Z)")
+    _csv_options(pk)
     pk.add_argument("--split", choices=("train", "test"), default="train", help="CIFAR split (default: train)")
     pk.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
 
@@ -119,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                     "(input-, compute- or overhead-bound), and measure the candidate fixes on the spot.",
         epilog="MODEL: a built-in name (see `trainfast models`) or path/to/file.py:function_or_class returning "
                "an nn.Module. DATA: a pack, or an image folder / CSV, timed as the per-image pipeline users "
-               "write. Example: trainfast doctor --model plate_cnn --data plates/labels.csv --batch-size 128\n\n"
+               "write. Example: trainfast doctor --model plate_cnn --data plates/labels.csv --label-column plate "
+               "--batch-size 128\n\n"
                "Your own script, unedited: trainfast doctor [--steps N] [--seconds S] -- python train.py [ARGS]\n"
                "(or -- python -m package.module). It runs here with probes on the DataLoader, backward, the\n"
                "optimizer step and Keras fit, is stopped after N steps, and the report names the functions\n"
@@ -138,6 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--channels-last", action="store_true", help="diagnose with channels_last memory")
     dr.add_argument("--no-fixes", action="store_true", help="skip measuring the candidate fixes")
     dr.add_argument("--remeasure", action="store_true", help="measure this machine's peaks again")
+    _csv_options(dr)
     dr.add_argument("--json", metavar="FILE", help="also write the report as JSON (- for stdout)")
     dr.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with charts")
 
@@ -266,8 +278,7 @@ def _cmd_pack(a) -> ExitStatus:
 
     pack(a.source, a.out, size=a.size, resize=a.resize, channels=a.channels, encoding=a.encoding,
          quality=a.quality, workers=a.workers, on_error=a.on_error, limit=a.limit, seed=a.seed,
-         overwrite=a.overwrite, progress=not a.quiet, path_column=a.path_column,
-         label_column=a.label_column, label_kind=a.label_kind, alphabet=a.alphabet, split=a.split)
+         overwrite=a.overwrite, progress=not a.quiet, split=a.split, **_csv_values(a))
     return ExitStatus.OK
 
 
@@ -301,7 +312,7 @@ def _cmd_doctor(a) -> ExitStatus:
     else:
         report = doctor(a.model, a.data, batch_size=a.batch_size, steps=a.steps or 20, device=a.device,
                         speed=Speed(precision=a.precision, channels_last=a.channels_last),
-                        try_fixes=not a.no_fixes, remeasure=a.remeasure, log=log)
+                        try_fixes=not a.no_fixes, remeasure=a.remeasure, source_options=_csv_values(a), log=log)
     if a.json == "-":
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -1,6 +1,7 @@
 """`trainfast doctor`: where the training time goes, why, and what to do — with numbers.
 
-    report = trainfast.doctor("plate_cnn", "plates/labels.csv", batch_size=128)
+    report = trainfast.doctor("plate_cnn", "plates/labels.csv", batch_size=128,
+                              source_options={"label_column": "plate"})
     print(report.text())
 
 The doctor measures the machine (cached), counts the model's cost per layer, times real
@@ -91,33 +92,25 @@ def _input_shape(model: nn.Module, data) -> tuple:
     return tuple(x.shape[1:])
 
 
-def _resolve_data(data, model, batch_size: int, device, seed: int):
+def _resolve_data(data, model, batch_size: int, device, seed: int, source_options: dict | None = None):
     """(iterable of batches, description, Source of files or None, Pack or None)."""
     if isinstance(data, (str, Path)):
-        p = Path(data)
-        if is_pack(p):
-            data = Pack(p)
-        else:
-            if not p.exists():
-                raise TrainfastError(f"{data}: no such file or folder")
-            src = open_source(p)
-            if src.files is None:
-                raise TrainfastError(f"{data}: pack it first (`trainfast pack {data} OUT --size HxW`), then run the "
-                                     "doctor on the pack")
-            shape = getattr(model, "input_shape", None)
-            if shape is None:
-                raise TrainfastError("a model without .input_shape needs a pack or an iterable of batches, not raw files")
-            return (PerImageBatches(src, shape[1:], batch_size, seed=seed),
-                    f"{src.kind} {p} ({len(src)} files, decoded per image per batch)", src, None)
+        data = Pack(data) if is_pack(Path(data)) else open_source(data, **(source_options or {}))
+    if isinstance(data, Source):
+        if data.files is None:
+            raise TrainfastError(f"{data.origin}: pack it first (`trainfast pack {data.origin} OUT --size HxW`), then "
+                                 "run the doctor on the pack")
+        shape = getattr(model, "input_shape", None)
+        if shape is None:
+            raise TrainfastError("a model without .input_shape needs a pack or an iterable of batches, not raw files")
+        return (PerImageBatches(data, shape[1:], batch_size, seed=seed),
+                f"{data.kind} {data.origin} ({len(data)} files, decoded per image per batch)", data, None)
     if isinstance(data, Pack):
         loader = Loader(data, batch_size, device=device, seed=seed)
         return loader, f"pack {data.path} ({loader.describe()})", None, data
     if isinstance(data, PerImageBatches):
         return data, (f"{data.source.kind} {data.source.origin} ({len(data.source)} files, decoded per image "
                       f"per batch with {data.reader})"), data.source, None
-    if isinstance(data, Source):
-        shape = model.input_shape
-        return PerImageBatches(data, shape[1:], batch_size, seed=seed), f"{data.kind} {data.origin}", data, None
     if hasattr(data, "__iter__"):
         return data, type(data).__name__, None, None
     raise TrainfastError(f"data must be a pack, an image folder, a CSV, or an iterable of (images, labels); got {type(data).__name__}")
@@ -125,7 +118,7 @@ def _resolve_data(data, model, batch_size: int, device, seed: int):
 
 def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 3, device=None,
            speed: Speed | None = None, try_fixes: bool = True, remeasure: bool = False,
-           seed: int = 0, log=None) -> Report:
+           seed: int = 0, source_options: dict | None = None, log=None) -> Report:
     """Diagnose training `model` on `data`: measure, explain, and try the fixes.
 
     Args:
@@ -137,6 +130,8 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
         device: 'cpu', 'cuda', or None for cuda when available.
         speed: the settings to diagnose (default: fp32, no channels_last: PyTorch's defaults).
         try_fixes: re-run a few steps with each candidate fix to measure its gain.
+        source_options: for a CSV given by its path: path_column, label_column, label_kind
+            and alphabet, as `trainfast.pack` takes them (e.g. {"label_column": "plate"}).
     """
     started = time.perf_counter()
     log = log or (lambda msg: None)
@@ -149,7 +144,7 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
     reason = _step.check(speed, dev)
     if reason:
         raise TrainfastError(reason)
-    batches, described, src, pk = _resolve_data(data, net, batch_size, dev, seed)
+    batches, described, src, pk = _resolve_data(data, net, batch_size, dev, seed, source_options)
     shape = _input_shape(net, pk if pk is not None else batches)
     if pk is not None and tuple(shape) != (pk.shape[2], pk.shape[0], pk.shape[1]):
         h, w, c = pk.shape

@@ -4,6 +4,7 @@ its output printed and kept in OUT/NAME.txt.
     pip install -e ".[bench]"
     python benchmarks/run_all.py [--out bench-results] [--only vs_keras plates_e2e]
 
+bench_storage.py is left out: its slow drive is a FUSE mount (libfuse2, root); run it alone.
 About two and a half hours on 2 CPU cores. Leave the machine otherwise idle while it runs: every figure is
 a throughput, and anything else running shows up in it.
 """

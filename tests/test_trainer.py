@@ -406,3 +406,12 @@ def test_the_one_cycle_rate_stays_positive_to_the_end():
         sched.step()
         rates.append(opt.param_groups[0]["lr"])
     assert min(rates) > 0 and rates[-1] == pytest.approx(1e-6) and max(rates) == pytest.approx(1e-3, rel=0.01)
+
+
+def test_default_run_dir_is_one_plain_folder_per_model():
+    """A model given as a file ('nets/plate.py:build') names its run folder without the slash
+    that would nest folders or the colon some file systems refuse."""
+    from trainfast.train.trainer import _dir_name
+    assert _dir_name("plate_net") == "plate_net"
+    assert _dir_name("nets/my models/plate.py:build") == "plate.build"
+    assert _dir_name("weird name!") == "weird-name"

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import threading
@@ -502,6 +503,15 @@ def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, de
     return replace(won, compile=rule.compile), {"lap_s": seconds, "laps": [lap.to_dict() for lap in laps], "cached": cached}
 
 
+def _dir_name(model_name: str) -> str:
+    """A model's name as one plain folder name: 'nets/plate.py:build' → 'plate.build' (no
+    slash to nest folders, no colon that some file systems and tools refuse)."""
+    if ":" in model_name:
+        file, _, attr = model_name.rpartition(":")
+        model_name = f"{Path(file).stem}.{attr}"
+    return re.sub(r"[^\w.-]+", "-", model_name).strip("-.") or "model"
+
+
 def _held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):
     """(validation pack, training indices, validation indices): without a validation pack,
     cfg.val_fraction of the training pack, by a seeded permutation, the same on every rank."""
@@ -688,7 +698,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     world = distributed.setup(dev)  # after the checks: a bad input stops every rank before any waits for the others
     dev = world.device
     say = log if world.is_main else (lambda *a, **k: None)
-    run_dir = Path(run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(run_dir or f"runs/{_dir_name(name)}-{time.strftime('%Y%m%d-%H%M%S')}")
     if world.is_main and not resume:
         _prepare_run_dir(run_dir)
     distributed.barrier(world)

@@ -138,6 +138,18 @@ def test_bad_inputs(digits_packs, tmp_path, small_net_file):
         fit("cifar_cnn", train, speed=Speed(), device="cpu", run_dir=blocker / "run", **quiet)
     with pytest.raises(TrainfastError, match="not a run directory to resume"):
         fit("cifar_cnn", train, device="cpu", run_dir=tmp_path / "nothing", resume=True, **quiet)
+    with pytest.raises(TrainfastError, match="lr must be ≥ 0, not -1"):
+        fit("cifar_cnn", train, lr=-1, device="cpu", run_dir=tmp_path / "c", **quiet)
+    with pytest.raises(TrainfastError, match="label_smoothing must be in"):
+        fit("cifar_cnn", train, config=TrainConfig(label_smoothing=float("nan")), device="cpu", run_dir=tmp_path / "d",
+            **quiet)
+    with pytest.raises(TrainfastError, match=r"1,?\d+ training images \(\d+ held out for validation\) are too few for "
+                                             r"batch size 4096: give a batch size of at most"):
+        fit("cifar_cnn", train, batch_size=4096, device="cpu", run_dir=tmp_path / "e", **quiet)  # before any tuning
+    csv = tmp_path / "labels.csv"
+    csv.write_text("path,label\n")
+    with pytest.raises(TrainfastError, match="not a pack but a file; make a pack from it first"):
+        fit("cifar_cnn", csv, device="cpu", run_dir=tmp_path / "f", **quiet)
     run = tmp_path / "r"
     fit(f"{small_net_file}:small", train, config=TrainConfig(epochs=1), speed=Speed(batch_size=64), device="cpu",
         run_dir=run, **quiet)

@@ -32,6 +32,9 @@ def is_pack(path) -> bool:
 
 def read_meta(path) -> dict:
     p = Path(path)
+    if p.exists() and not p.is_dir():  # a CSV, an image, a tarball given where a pack belongs
+        raise TrainfastError(f"{p}: not a pack but a file; make a pack from it first: "
+                             f"trainfast pack {p} OUT --size HxW")
     try:
         meta = json.loads((p / META).read_text(encoding="utf-8"))
     except FileNotFoundError:

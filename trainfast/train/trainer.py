@@ -157,6 +157,14 @@ def _check_config(cfg: TrainConfig) -> None:
         raise TrainfastError(f"epochs must be ≥ 1, not {cfg.epochs}")
     if not 0 <= cfg.val_fraction < 1:
         raise TrainfastError(f"val_fraction must be in [0, 1), not {cfg.val_fraction}")
+    for name, low, high in (("lr", 0, None), ("momentum", 0, 1), ("weight_decay", 0, None), ("warmup", 0, 1),
+                            ("label_smoothing", 0, 1), ("clip", 0, None), ("tune_share", 0, 1),
+                            ("patience", 0, None), ("save_every", 0, None)):
+        value = getattr(cfg, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= low
+                and (high is None or value <= high)):
+            span = f"in [{low}, {high}]" if high is not None else f"≥ {low}"
+            raise TrainfastError(f"{name} must be {span}, not {value!r}")
 
 
 def pack_record(pk: Pack) -> dict:
@@ -714,8 +722,13 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     pin = dict(pin or {})
     user_batch = pin.get("batch_size") or (speed.batch_size if speed else Speed().batch_size)
     val_pk, train_idx, val_idx = _held_out(train_pk, val_pk, cfg)
+    n_train = len(train_pk) if train_idx is None else len(train_idx)
+    if speed is None and pin.get("batch_size") and n_train // world.size < pin["batch_size"]:  # before any tuning
+        held = f" ({len(train_pk) - n_train} held out for validation)" if train_idx is not None else ""
+        per = f" per process ({world.size} processes)" if world.size > 1 else ""
+        raise TrainfastError(f"{train_pk.path}: {n_train} training images{held} are too few for batch size "
+                             f"{pin['batch_size']}{per}: give a batch size of at most {n_train // world.size}")
     if speed is None:
-        n_train = len(train_pk) if train_idx is None else len(train_idx)
         speed, tune_table, front = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
                                           images=n_train, epochs=cfg.epochs, world_size=world.size,
                                           budget_share=cfg.tune_share) if tune \

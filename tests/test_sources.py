@@ -29,6 +29,17 @@ def test_folder_without_class_subfolders_says_how(tmp_path):
         from_folder(flat)
 
 
+def test_a_folder_whose_labels_are_in_a_csv_points_to_the_csv(tmp_path):
+    """make-plates' layout (images/ and labels.csv): packed as a folder, every image would be of
+    the one class 'images'."""
+    root = write_images(tmp_path / "plates", classes=("images",), per_class=2)
+    assert from_folder(root).classes == ["images"]  # one class folder alone is allowed
+    (root / "labels.csv").write_text("path,plate\nimages/000.jpg,AB12CD34\n")
+    with pytest.raises(TrainfastError, match=r"one subfolder \(images/\), so every image would get the same "
+                                             r"class; its labels are likely in labels.csv"):
+        open_source(root)
+
+
 def test_csv_class_labels_and_relative_paths(tmp_path):
     write_images(tmp_path / "d", classes=("a",), per_class=3)
     (tmp_path / "list.csv").write_text("path,label\nd/a/000.jpg,cat\nd/a/001.jpg,dog\nd/a/002.jpg,cat\n")

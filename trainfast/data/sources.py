@@ -114,6 +114,11 @@ def from_folder(root) -> Source:
         loose = [f for f in os.listdir(root) if f.lower().endswith(IMAGE_EXTENSIONS)]
         hint = (" (images must sit in one subfolder per class, e.g. root/cat/1.jpg)" if loose else "")
         raise TrainfastError(f"{root}: no images found{hint}")
+    csvs = sorted(f for f in os.listdir(root) if f.lower().endswith(".csv"))
+    if len(classes) == 1 and csvs:  # make-plates' layout: images/ and labels.csv
+        raise TrainfastError(f"{root}: one subfolder ({classes[0]}/), so every image would get the same class; "
+                             f"its labels are likely in {csvs[0]}: give that CSV as the source "
+                             f"(--label-column names its label column)")
     return Source("folder", str(root), keys, np.asarray(labels, np.int64), classes=classes,
                   files=[str(root / k) for k in keys])
 

@@ -17,6 +17,8 @@ def test_quick_demo_end_to_end(tmp_path, capsys, device):
     assert page.count("<svg") >= 3 and page.count("data:image/png;base64") == 2
     err = capsys.readouterr().err
     assert "held-out plates:" in err and "VERDICT" in err
+    # a smoke run's accuracy near chance is said to be one, not left to look like the result
+    assert ("near chance (1 in 36)" in err) == (s["per_character_accuracy"] < 2 / 36)
     e = s["errors"]  # the error analysis is of the held-out plates, and agrees with the headline figures
     assert e["sequences"] == s["config"]["test"] and e["characters"] == 8 * s["config"]["test"]
     assert e["character_accuracy"] == pytest.approx(s["per_character_accuracy"], abs=0.01)

@@ -203,6 +203,10 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     (out / "report.html").write_text(_html(summary, before, after, tuned, speed, result, test_pk, net, dev))
     log("\n== result")
     log(f"   held-out plates: {final['acc']:.1%} of characters, {final['seq_acc']:.1%} of whole plates right")
+    if final["acc"] < 2 / len(test_pk.alphabet):  # still near chance: say so rather than let the number stand alone
+        log(f"   that is near chance (1 in {len(test_pk.alphabet)}): {cfg.epochs} epochs of {cfg.train:,} plates are too "
+            "few to learn them" + (" (--quick checks the pipeline, not the result; `trainfast demo` without it "
+                                   "trains for its time budget)" if cfg.train < DemoConfig.train else ""))
     for line in _error_lines(errors):
         log("   " + line)
     log(f"   one epoch (median): {epoch_s:.1f} s with trainfast, {users_epoch_s:.0f} s on the users' pipeline and model "

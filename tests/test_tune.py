@@ -206,7 +206,8 @@ def test_a_budget_bounds_the_tune_and_says_what_it_left_out(monkeypatch):
     said = []
     r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=slow, planned_images=14_400, budget_share=0.1,
              retune=True, log=said.append)
-    assert r.budget_s == 5.0 and 5 <= len([t for t in r.rows if t.images_per_s]) <= 6 and r.not_timed
+    assert r.budget_s == 5.0 and len([t for t in r.rows if t.images_per_s]) == 5 and r.not_timed
+    assert r.seconds <= r.budget_s  # a measurement that would end past the bound is not begun
     assert "not timed, the tune's budget of 5.0 s spent:" in r.table() and any("cached with that budget" in m
                                                                                for m in said)
     def again(**bounds):
@@ -224,7 +225,7 @@ def test_a_time_bound_holds_alone_or_with_the_share(monkeypatch):
     slow = _one_second_trials(monkeypatch)
     r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=slow, max_seconds=3, retune=True,
              log=lambda m: None)
-    assert r.budget_s == 3 and 3 <= len([t for t in r.rows if t.images_per_s]) <= 4 and r.not_timed
+    assert r.budget_s == 3 and len([t for t in r.rows if t.images_per_s]) == 3 and r.not_timed and r.seconds <= 3
     slow = _one_second_trials(monkeypatch)
     r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=slow, planned_images=14_400, budget_share=0.1,
              max_seconds=30, retune=True, log=lambda m: None)

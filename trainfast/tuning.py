@@ -318,13 +318,22 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             bounds.append(plan["first"] + budget_share * planned_images / plan["rate"])
         return min(bounds) if bounds else None
 
+    took: list[float] = []  # seconds each measurement took; the first also pays one-time set-up
+
     def run(speed: Speed) -> Trial:
         timed_one = any(r.images_per_s for r in rows)  # the first setting is always timed: the reference
-        if timed_one and budget() is not None and _clock() - started > budget():
-            not_timed.append(speed.label())
-            return Trial(speed, None, note="not timed: the tune's budget is spent")
+        if timed_one and budget() is not None:
+            left = budget() - (_clock() - started)
+            if left <= 0 or (len(took) >= 2 and left < min(took[1:])):  # would end past the bound: not begun
+                not_timed.append(speed.label())
+                return Trial(speed, None, note="not timed: the tune's budget is spent")
         reason = _step.check(speed, dev)
-        trial = Trial(speed, None, note=f"skipped: {reason}") if reason else measure(model, input_shape, out_shape, speed, dev)
+        if reason:
+            trial = Trial(speed, None, note=f"skipped: {reason}")
+        else:
+            t = _clock()
+            trial = measure(model, input_shape, out_shape, speed, dev)
+            took.append(_clock() - t)
         rows.append(trial)
         if plan and trial.images_per_s:
             plan["rate"] = max(plan["rate"], trial.images_per_s)

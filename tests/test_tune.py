@@ -232,6 +232,27 @@ def test_a_time_bound_holds_alone_or_with_the_share(monkeypatch):
     assert r.budget_s == 5.0  # the share's 4 s after the first 1 s is the tighter bound
 
 
+def test_no_measurement_is_begun_that_would_end_past_the_budget(monkeypatch):
+    """Measuring takes longer at a larger batch (a fixed number of steps), and a compile adds
+    its own time: the tune predicts each from the last measurement and begins none that would
+    end past its bound, for every bound in turn."""
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+    now = [0.0]
+    monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
+    fake = _fake([])
+
+    def measure(model, shape, out, speed, device):
+        now[0] += speed.batch_size / 64 + (10.0 if speed.compile else 0.0)  # 1 s at 64, 2 s at 128, …
+        return fake(model, shape, out, speed, device)
+    for limit in range(2, 40):
+        r = tune(_net(), (3, 8, 8), device="cpu", measure=measure, max_seconds=limit, retune=True,
+                 log=lambda m: None)
+        timed = [t for t in r.rows if t.images_per_s]
+        assert r.seconds <= limit or len(timed) <= 2, (limit, r.seconds)  # the first two are always timed
+    r = tune(_net(), (3, 8, 8), device="cpu", measure=measure, max_seconds=1000, retune=True, log=lambda m: None)
+    assert not r.not_timed and any(t.speed.compile for t in r.rows)  # a bound that allows all times all
+
+
 def test_the_first_batch_is_sized_to_the_models_cost_on_a_cpu():
     from trainfast.models import create
     cpu = torch.device("cpu")

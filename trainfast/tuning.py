@@ -43,6 +43,7 @@ LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
 FINAL_ROUNDS = 2  # extra round-robin timings of each finalist
 MIN_SECONDS = 0.8  # the least time one timing spans
 MAX_STEPS = 60
+COMPILE_GUESS_S = 8.0  # a torch.compile before one is timed: 7.6 s for plate_net, 12 s for cifar_cnn on 2 cores
 MAX_BATCH = {"cpu": 512, "cuda": 8192}  # the largest batch tried unless the caller bounds it
 FILL_GAIN = 1.10  # CUDA: a doubling of the batch that gains less than this has filled the device
 START_STEP_S = 0.5  # CPU: the first batch tried is sized so that one step takes about this long
@@ -318,13 +319,21 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             bounds.append(plan["first"] + budget_share * planned_images / plan["rate"])
         return min(bounds) if bounds else None
 
-    took: list[float] = []  # seconds each measurement took; the first also pays one-time set-up
+    took: list[tuple[float, Speed]] = []  # each measurement's seconds; the first also pays one-time set-up
+
+    def expected_s(speed: Speed) -> float:
+        """How long measuring `speed` will take: the last measurement's time (not the first's),
+        longer in proportion to a larger batch, plus a compile where none was timed yet."""
+        seconds, last = took[-1]
+        compiling = speed.compile and not any(s.compile for _, s in took)
+        return seconds * max(1.0, speed.batch_size / last.batch_size) + (COMPILE_GUESS_S if compiling else 0.0)
 
     def run(speed: Speed) -> Trial:
         timed_one = any(r.images_per_s for r in rows)  # the first setting is always timed: the reference
         if timed_one and budget() is not None:
             left = budget() - (_clock() - started)
-            if left <= 0 or (len(took) >= 2 and left < min(took[1:])):  # would end past the bound: not begun
+            # One that would end past the bound is not begun; the second always is: the likely winner.
+            if left <= 0 or (len(took) >= 2 and left < expected_s(speed)):
                 not_timed.append(speed.label())
                 return Trial(speed, None, note="not timed: the tune's budget is spent")
         reason = _step.check(speed, dev)
@@ -333,7 +342,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         else:
             t = _clock()
             trial = measure(model, input_shape, out_shape, speed, dev)
-            took.append(_clock() - t)
+            took.append((_clock() - t, speed))
         rows.append(trial)
         if plan and trial.images_per_s:
             plan["rate"] = max(plan["rate"], trial.images_per_s)

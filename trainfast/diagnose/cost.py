@@ -206,7 +206,7 @@ def _still(t: torch.Tensor) -> torch.Tensor:
 
 def measured_findings(net: nn.Module, x: torch.Tensor, when: str = "") -> tuple[list[str], bool]:
     """Findings measured by running `net` on the batch `x` (images that differ), and whether
-    every output is frozen: outputs that are the same for every image (still_outputs), and a
+    every output is frozen: outputs that are the same for every image (_still_outputs), and a
     width-1 head that can name only some of its classes whatever the image (head_reach). Run
     in eval mode on `net` itself, without gradients; its mode is restored."""
     traced = _trace(net, x)
@@ -214,7 +214,7 @@ def measured_findings(net: nn.Module, x: torch.Tensor, when: str = "") -> tuple[
         return [], False
     out, layers = traced
     found, frozen = [], False
-    still = _still_outputs(out, layers, len(x))
+    still = _still_outputs(out, layers)
     if still is not None:
         found.append(still_finding(*still, len(x), when))
         frozen = bool(still[0].all())
@@ -223,7 +223,7 @@ def measured_findings(net: nn.Module, x: torch.Tensor, when: str = "") -> tuple[
 
 
 def still_finding(still: torch.Tensor, origin: str, images: int, when: str = "") -> str:
-    """still_outputs' measurement in words (the doctor's and the loss watch's finding)."""
+    """_still_outputs' measurement in words (the doctor's and the loss watch's finding)."""
     where = (f" at {int(still.sum())} of {len(still)} positions "
              f"({', '.join(str(int(i) + 1) for i in still.nonzero().flatten())})" if len(still) > 1 else "")
     return (f"{when}the model's output{where} is the same for all {images} training images it was shown{origin}: "
@@ -266,15 +266,10 @@ def _trace(net: nn.Module, x: torch.Tensor) -> Traced | None:
     return out, layers
 
 
-def still_outputs(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
-    """(still, origin): per output position (one entry for a plain classifier), True where the
-    output is the same for every image of `x`; and where all are, in words, the first layer
-    where the network stopped seeing its input. None where no output is still."""
-    traced = _trace(net, x)
-    return _still_outputs(*traced, len(x)) if traced else None
-
-
-def _still_outputs(out, layers, images: int) -> tuple[torch.Tensor, str] | None:
+def _still_outputs(out, layers) -> tuple[torch.Tensor, str] | None:
+    """(still, origin) from a _trace: per output position (one entry for a plain classifier),
+    True where the output is the same for every image; and where all are, in words, the first
+    layer where the network stopped seeing its input. None where no output is still."""
     spread = _still(out)
     still = spread.flatten(1).all(1) if out.dim() >= 3 else spread.all().reshape(1)
     if not still.any():

@@ -123,6 +123,8 @@ def test_bad_arguments(pack, tmp_path):
         Loader(pack, batch_size=4, dtype=torch.uint8, augment=Augment(brightness=0.1), device="cpu")
     with pytest.raises(TrainfastError, match="not a pack"):
         Loader(tmp_path, batch_size=4, device="cpu")
+    with pytest.raises(TrainfastError, match="no such pack"):
+        Loader(tmp_path / "missing", batch_size=4, device="cpu")
     if not torch.cuda.is_available():
         with pytest.raises(TrainfastError, match="cuda"):
             Loader(pack, batch_size=4, device="cuda")

@@ -32,7 +32,9 @@ def is_pack(path) -> bool:
 
 def read_meta(path) -> dict:
     p = Path(path)
-    if p.exists() and not p.is_dir():  # a CSV, an image, a tarball given where a pack belongs
+    if not p.exists():
+        raise TrainfastError(f"{p}: no such pack (no file or folder there)")
+    if not p.is_dir():  # a CSV, an image, a tarball given where a pack belongs
         raise TrainfastError(f"{p}: not a pack but a file; make a pack from it first: "
                              f"trainfast pack {p} OUT --size HxW")
     try:

@@ -198,3 +198,12 @@ def test_cli_reads_a_csv_by_the_columns_it_is_given(image_folder, tmp_path, caps
     assert main(base + ["--label-column", "kind"]) == 0
     out = capsys.readouterr().out
     assert f"csv {csv} ({len(rows)} files, decoded per image per batch)" in out and "STORAGE" in out
+    from trainfast.data.sources import from_csv
+    assert from_csv(csv, label_column="kind").pack_flags == "--label-column kind"  # the pack advice reads it alike
+    r = doctor(Tiny(), csv, batch_size=8, steps=2, warmup=1, device="cpu", source_options={"label_column": "kind"})
+    assert r.times.share("data") >= 0.05  # JPEGs decoded per image for a tiny model: the pack is advised
+    assert any(f"trainfast pack {csv} DATA.pack --size 16x16 --label-column kind\n" in rec.action
+               for rec in r.recommendations)
+    assert from_csv(csv, label_column="kind", label_kind="class").pack_flags == "--label-column kind --labels class"
+    assert from_csv(image_folder / "list.csv", path_column="path", label_column="note").pack_flags == \
+        "--label-column note"

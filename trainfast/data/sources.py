@@ -11,6 +11,7 @@ import hashlib
 import io
 import os
 import pickle
+import shlex
 import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Source:
     files: list[str] | None = None
     array: np.ndarray | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    pack_flags: str = ""  # the `trainfast pack` options that read this source the same way (a CSV's columns)
 
     def fingerprint(self) -> str:
         """sha1 of what the pack is made from: the input names and labels (and array bytes).
@@ -144,6 +146,7 @@ def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="
         raise TrainfastError(f"{csv_path}: empty CSV (no header row)")
     header = [h.strip() for h in header]
     pcol, lcol = path_column, label_column
+    given = label_kind
     if (pcol not in header or lcol not in header) and len(header) == 2 \
             and (pcol, lcol) == ("path", "label"):
         pcol, lcol = header  # a two-column CSV with other names: path first, label second
@@ -198,8 +201,13 @@ def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="
         label_array = np.asarray(labels, np.int64).reshape(len(labels), length)
     if not keys:
         raise TrainfastError(f"{csv_path}: every row was rejected (first: {skipped[0][0]}: {skipped[0][1]})")
+    flags = [f"--path-column {shlex.quote(path_column)}"] * (path_column != "path")
+    flags += [f"--label-column {shlex.quote(label_column)}"] * (label_column != "label")
+    flags += [f"--labels {given}"] * (given != "auto")
+    flags += [f"--alphabet {shlex.quote(alphabet)}"] * (label_kind == "sequence" and alphabet != DEFAULT_ALPHABET)
     return Source("csv", str(csv_path), keys, label_array, classes=classes,
-                  alphabet=alphabet if label_kind == "sequence" else None, files=files, skipped=skipped)
+                  alphabet=alphabet if label_kind == "sequence" else None, files=files, skipped=skipped,
+                  pack_flags=" ".join(flags))
 
 
 def _looks_like_sequences(texts: list[str], alphabet: str) -> bool:

@@ -207,3 +207,18 @@ def test_cli_reads_a_csv_by_the_columns_it_is_given(image_folder, tmp_path, caps
     assert from_csv(csv, label_column="kind", label_kind="class").pack_flags == "--label-column kind --labels class"
     assert from_csv(image_folder / "list.csv", path_column="path", label_column="note").pack_flags == \
         "--label-column note"
+
+
+def test_the_file_system_of_the_files_is_named(tmp_path):
+    """From the mount table: the last mount over the path wins; a space is written \\040; a
+    network file system is said to be one."""
+    from trainfast.diagnose.storage import StorageRead, file_system, storage_sentence
+    table = tmp_path / "mounts"
+    table.write_text("/dev/vda / ext4 rw 0 0\nserver:/share /mnt/my\\040data nfs4 rw 0 0\n"
+                     "tmpfs /mnt/my\\040data/tmp tmpfs rw 0 0\n")
+    assert file_system("/mnt/my data/plates/1.jpg", str(table)) == ("nfs4", "/mnt/my data")
+    assert file_system("/mnt/my data/tmp/x", str(table)) == ("tmpfs", "/mnt/my data/tmp")
+    assert file_system("/mnt/my datax/1.jpg", str(table)) == ("ext4", "/")
+    assert file_system("/x", str(tmp_path / "none")) is None
+    text, bound = storage_sentence(StorageRead(10, 10_000, 1.0, True, "nfs4", "/mnt/my data"), 0.15)
+    assert "(cold; nfs4 at /mnt/my data, a network file system)" in text and bound

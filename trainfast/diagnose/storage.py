@@ -10,10 +10,14 @@ cold read, as an epoch over a dataset larger than memory sees it.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 
 STORAGE_BOUND = 0.5  # the storage is "the bottleneck" when reading takes this share of the data time
+NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre", "beegfs", "gpfs",
+              "davfs", "fuse.sshfs", "fuse.rclone", "fuse.s3fs", "fuse.gcsfuse", "fuse.blobfuse", "fuse.goofys",
+              "fuse.juicefs", "fuse.davfs"}  # file systems whose reads cross a network
 
 
 @dataclass
@@ -22,6 +26,8 @@ class StorageRead:
     bytes: int
     seconds: float
     cold: bool  # the page cache could be told to drop the files first
+    fs: str = ""  # the file system type the first file lives on ("ext4", "nfs4", …), where the OS says
+    mount: str = ""  # … and where it is mounted
 
     @property
     def files_per_s(self) -> float:
@@ -51,6 +57,23 @@ def _drop_cached(path: str) -> bool:
         os.close(fd)
 
 
+def file_system(path: str, mounts: str = "/proc/mounts") -> tuple[str, str] | None:
+    """(file system type, mount point) of `path`, from the mount table (Linux); None elsewhere."""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            table = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for point, kind in table:
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)  # a space is written \040
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[1])):  # the last mount over a path wins
+            best = (kind, point)
+    return best
+
+
 def read_throughput(files: list[str], max_files: int = 256, max_seconds: float = 2.0,
                     clock=time.perf_counter) -> StorageRead | None:
     """Read up to `max_files` of `files` whole (spread over the list), cold where the OS allows,
@@ -73,7 +96,8 @@ def read_throughput(files: list[str], max_files: int = 256, max_seconds: float =
         if clock() - start > max_seconds:
             break
     seconds = clock() - start
-    return StorageRead(n, size, seconds, cold) if n else None
+    fs, mount = file_system(sample[0]) or ("", "")
+    return StorageRead(n, size, seconds, cold, fs, mount) if n else None
 
 
 def storage_sentence(read: StorageRead, data_s_per_image: float) -> tuple[str, bool]:
@@ -82,6 +106,8 @@ def storage_sentence(read: StorageRead, data_s_per_image: float) -> tuple[str, b
     share = per_file / max(data_s_per_image, 1e-12)
     bound = share >= STORAGE_BOUND
     how = "cold" if read.cold else "possibly cached"
+    if read.fs:
+        how += f"; {read.fs} at {read.mount}" + (", a network file system" if read.fs in NETWORK_FS else "")
     text = (f"reading the files alone ({how}): {read.files_per_s:,.0f} files/s, {read.mb_per_s:,.1f} MB/s, "
             f"{per_file * 1e3:.2f} ms per file = {min(share, 1):.0%} of the data time per image")
     if bound:

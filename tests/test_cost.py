@@ -1,3 +1,4 @@
+import torch
 import torch.nn as nn
 
 from trainfast.diagnose.cost import layer_costs
@@ -50,6 +51,19 @@ def test_failing_model_names_layer_and_shapes():
     assert "layer 2 (Linear)" in msg and "(7200,)" in msg and "(3, 32, 32)" in msg
 
 
+class OneNumberHead(nn.Module):
+    """plate_cnn's head in small: each of `positions` outputs read from one ReLU'd number of the
+    12 input values, through Linear(1, 5): 5 lines over that number."""
+
+    def __init__(self, positions: int):
+        super().__init__()
+        self.scalar = nn.Linear(12, positions)
+        self.per_position = nn.Linear(1, 5)
+
+    def forward(self, x):
+        return self.per_position(torch.relu(self.scalar(x.flatten(1))).unsqueeze(-1))  # (B, positions, 5)
+
+
 def test_outputs_no_image_changes_are_found_dead():
     """plate_cnn's story: each position read from one ReLU'd number; a position whose number is
     negative for every image is dead (its output constant), and training cannot revive it."""
@@ -60,17 +74,8 @@ def test_outputs_no_image_changes_are_found_dead():
     def constant_outputs(net, x):
         return [f for f in measured_findings(net, x)[0] if "is the same for all" in f]
 
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scalar = nn.Linear(12, 4)
-            self.per_position = nn.Linear(1, 5)
-
-        def forward(self, x):
-            return self.per_position(torch.relu(self.scalar(x.flatten(1))).unsqueeze(-1))  # (B, 4, 5)
-
     torch.manual_seed(0)
-    net = Head().train()
+    net = OneNumberHead(4).train()
     x = torch.rand(16, 3, 2, 2)
     with torch.no_grad():
         net.scalar.weight.fill_(1.0)
@@ -119,16 +124,7 @@ def test_one_number_head_reach_is_measured():
 
     from trainfast.diagnose.cost import measured_findings
 
-    class Head(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scalar = nn.Linear(12, 2)
-            self.per_position = nn.Linear(1, 5)
-
-        def forward(self, x):
-            return self.per_position(torch.relu(self.scalar(x.flatten(1))).unsqueeze(-1))  # (B, 2, 5)
-
-    net = Head()
+    net = OneNumberHead(2)
     x = torch.rand(16, 3, 2, 2)
     with torch.no_grad():
         net.scalar.weight.fill_(0.1)
@@ -148,11 +144,11 @@ def test_one_number_head_reach_is_measured():
     assert measured_findings(net, x)[0] == []
     assert measured_findings(nn.Sequential(nn.Flatten(), nn.Linear(12, 3)), x) == ([], False)
 
-    class Scaled(Head):
+    class Scaled(OneNumberHead):
         def forward(self, x):
             return super().forward(x) * torch.arange(1.0, 6.0)  # the lines are not the logits any more
 
-    scaled = Scaled()
+    scaled = Scaled(2)
     scaled.load_state_dict(net.state_dict())
     with torch.no_grad():
         scaled.scalar.weight.fill_(0.0)  # every image gives the same number: one class on top

@@ -340,7 +340,7 @@ def head_reach(out: torch.Tensor, layers, images: int, when: str = "") -> str | 
     span = f"all {lo_v:.3g}" if lo_v == hi_v else f"{lo_v:.3g} to {hi_v:.3g}"
     reach = (f"only {r} of the {k} are on top anywhere {where}, so whatever the image the model names one of "
              f"{r} classes, and at most {r}/{k} ({r / k:.0%}) of evenly spread labels can be right" if r < k
-             else f"all {k} are on top somewhere {where}, but the images do not reach most of them")
+             else f"all {k} are on top somewhere {where}")
     return (f"{when}{name} draws {k} lines over its single input number, one per class, and predicts the class "
             f"whose line is on top: at these weights {reach}; over the values these {images} training images give "
             f"it ({span}), {len(seen)} {'is' if len(seen) == 1 else 'are'} "

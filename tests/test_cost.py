@@ -142,6 +142,10 @@ def test_one_number_head_reach_is_measured():
         net.scalar.weight.fill_(0.5)
     x = torch.linspace(0, 1, 16)[:, None, None, None].expand(16, 3, 2, 2)  # numbers 0 … 6 cross every stretch
     assert measured_findings(net, x)[0] == []
+    with torch.no_grad():
+        net.scalar.weight.fill_(0.1)  # numbers 0 … 1.2: only classes 1 and 2 of the ordinal code
+    found = measured_findings(net, x)[0]
+    assert len(found) == 1 and "all 5 are on top somewhere above 0" in found[0] and found[0].endswith("2 are on top")
     assert measured_findings(nn.Sequential(nn.Flatten(), nn.Linear(12, 3)), x) == ([], False)
 
     class Scaled(OneNumberHead):

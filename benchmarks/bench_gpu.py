@@ -155,8 +155,8 @@ def main() -> None:
             rows = sweep(name, dev, batches, a.small)
             ok = [r for r in rows if r["images_per_s"]]
             top = max(ok, key=lambda r: r["images_per_s"])
-            # fit bounds the batch by the data (>= 16 or 32 steps per epoch): compare within that bound
-            bound = data_max_batch(n, net)
+            # fit bounds the batch by the data (>= 32 steps per epoch): compare within that bound
+            bound = data_max_batch(n)
             top_in = max((r for r in ok if r["batch"] <= bound), key=lambda r: r["images_per_s"], default=top)
             mine = measure_trial(net, (c, h, w), out, replace_compile(chosen), dev,
                                  min_seconds=0.05 if a.small else 0.5).images_per_s

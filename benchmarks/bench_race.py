@@ -62,7 +62,7 @@ def main():
         augment, cfg = Augment(translate=2), TrainConfig(epochs=a.race_epochs)
         net = models.create(a.model)
         planned = len(train) * a.race_epochs
-        limit = min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(len(train), net))
+        limit = min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(len(train)))
         tuned = tune(net, (3, 32, 32), device=dev, max_batch=limit, planned_images=planned, budget_share=0.1,
                      try_compile=False, log=lambda m: None)
         print(tuned.table())

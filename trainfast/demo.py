@@ -150,8 +150,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
             f"{after.times.images_per_s:,.0f} images/s (was {before.times.images_per_s:,.0f})")
 
     with stage("tune plate_net on this machine (torch.compile left out to keep the demo short)"):
-        net = models.create("plate_net")
-        tuned = tune(net, (3, 64, 128), device=cfg.device, max_batch=data_max_batch(cfg.train, net),
+        tuned = tune(models.create("plate_net"), (3, 64, 128), device=cfg.device, max_batch=data_max_batch(cfg.train),
                      max_seconds=TUNE_SHARE * 60 * budget_minutes(cfg, torch.device(before.system["device"])),
                      try_compile=False, log=lambda m: log("   " + m))
         log(tuned.table())

@@ -417,24 +417,11 @@ def _epoch_line(row: dict, sequence: bool) -> str:
 MIN_STEPS_PER_EPOCH = 32
 """tune's batch is at most the largest power of two that leaves this many optimizer steps per
 epoch (per process): a schedule needs steps to work with, not just images per second."""
-MIN_STEPS_NORMALISED = 16
-"""... or this many for a network with normalisation layers, which trains as far on fewer,
-larger steps (digits, 1,438 images, three seeds: cifar_resnet reached 99% at 0.83-1.02x the
-recipe's time at batch 64 against 1.06-1.82x at 32; cifar_cnn, without normalisation,
-reached 97% at 0.94-1.57x at batch 32 against 1.25-1.41x at 64)."""
-_NORMS = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm)
 
 
-def min_steps_per_epoch(net: torch.nn.Module | None) -> int:
-    """The data bound's steps per epoch for `net` (MIN_STEPS_NORMALISED where it normalises)."""
-    normalised = net is not None and any(isinstance(m, _NORMS) for m in net.modules())
-    return MIN_STEPS_NORMALISED if normalised else MIN_STEPS_PER_EPOCH
-
-
-def data_max_batch(images: int, net: torch.nn.Module | None = None) -> int:
-    """The largest batch tune may pick for `images` training images per process (≥ 8), leaving
-    min_steps_per_epoch(net) optimizer steps per epoch."""
-    return max(8, 2 ** int(math.log2(max(images // min_steps_per_epoch(net), 1))))
+def data_max_batch(images: int) -> int:
+    """The largest batch tune may pick for `images` training images per process (≥ 8)."""
+    return max(8, 2 ** int(math.log2(max(images // MIN_STEPS_PER_EPOCH, 1))))
 
 
 def _pays(best: Speed, rows: list, planned_images: int, say) -> Speed:
@@ -473,7 +460,7 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
 
     h, w, c = pk.shape
     per_process = images // world_size
-    limit = min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(per_process, net))
+    limit = min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(per_process))
     result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"), max_batch=limit,
                    planned_images=per_process * epochs, budget_share=budget_share,
                    try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, log=progress_log)
@@ -481,8 +468,7 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
     best, front = result.best, []
     if "batch_size" not in pin:
         say(f"batch bound by the data: at most {limit} ({per_process:,} images per process, "
-            f"≥ {min_steps_per_epoch(net)} steps per epoch"
-            f"{' for a network with normalisation layers' if min_steps_per_epoch(net) < MIN_STEPS_PER_EPOCH else ''})")
+            f"≥ {MIN_STEPS_PER_EPOCH} steps per epoch)")
         timed = [r.speed.batch_size for r in result.rows if r.images_per_s]
         floor = timed[0] if timed else 1  # never below where tune started
         best, why = more_steps_unless_faster(result, floor=floor)

@@ -189,6 +189,27 @@ def test_findings_blame_a_named_function_only_when_it_holds_the_time():
     assert "numpy.take" not in minor[0] and "trainfast pack" in minor[0]
 
 
+def test_the_storage_of_an_image_folder_named_on_the_command_line_is_measured(image_folder, tmp_path):
+    """The plate story's script took its data folder as an argument (on a network drive): the
+    doctor reads a sample of the images there apart from decoding, against the data time."""
+    from trainfast.diagnose.script import ScriptReport, Step, _storage_findings
+    system = {"device": "cpu", "usable_cores": 2, "torch_threads": 2, "cuda_available": False}
+    csv = image_folder / "labels.csv"
+    csv.write_text("path,label\n")
+
+    def report(data_s, *args):
+        steps = [Step(seconds=0.1, data=data_s, batch_size=64) for _ in range(6)]
+        return ScriptReport(command=["python", "t.py", *args], framework="pytorch", stopped="", steps=steps,
+                            warmup=2, system=system)
+    found = _storage_findings(report(0.05, str(image_folder), "--epochs", "3", str(tmp_path / "nothing")))
+    assert len(found) == 1 and found[0].startswith(f"the images under {image_folder} (named on the command line): "
+                                                   "reading the files alone")
+    assert "files/s" in found[0] and "of the data time per image" in found[0]
+    assert len(_storage_findings(report(0.05, str(csv)))) == 1  # a CSV: the images in its folder
+    assert _storage_findings(report(0.001, str(image_folder))) == []  # not input-bound: nothing to say
+    assert _storage_findings(report(0.05, str(tmp_path / "nothing"))) == []
+
+
 def test_findings_on_a_pack_reader_do_not_advise_packing():
     out = _report_with({"kind": "keras PyDataset (PackDataset)", "reads": "a trainfast pack"}, [("numpy.take", 0.04)])
     assert "already come from a trainfast pack" in out[0] and "2 cores" in out[0]

@@ -243,7 +243,35 @@ def _report(command, probe: _Probe, stopped: str, error: str) -> ScriptReport:
         r.layers, r.model, model_findings = _torch_layers(probe)
         r.findings += model_findings
     r.findings += _findings(r)
+    r.findings += _storage_findings(r)
     return r
+
+
+def _storage_findings(r: ScriptReport, max_files: int = 4096) -> list[str]:
+    """Where a data-bound script's files live: for each image folder (or a CSV's folder) named
+    on its command line, the files read alone, cold, against the data time per image."""
+    batch = sorted(s.batch_size for s in r.timed if s.batch_size)
+    if not (r.timed and r.data_share >= MODERATELY_INPUT_BOUND and batch):
+        return []
+    from trainfast.data.sources import IMAGE_EXTENSIONS
+    from trainfast.diagnose.storage import read_throughput, storage_sentence
+
+    out = []
+    for arg in dict.fromkeys(r.command[1:]):  # each once, in order
+        root = (os.path.dirname(arg) or ".") if arg.lower().endswith(".csv") and os.path.isfile(arg) else arg
+        if not os.path.isdir(root):
+            continue
+        files = []
+        for dirpath, dirnames, names in os.walk(root):
+            dirnames.sort()
+            files += [os.path.join(dirpath, n) for n in sorted(names) if n.lower().endswith(IMAGE_EXTENSIONS)]
+            if len(files) >= max_files:
+                break
+        read = read_throughput(files[:max_files]) if files else None
+        if read is not None:
+            sentence, _ = storage_sentence(read, r.mean("data") / batch[len(batch) // 2])
+            out.append(f"the images under {arg} (named on the command line): {sentence}")
+    return out
 
 
 def _findings(r: ScriptReport) -> list[str]:

@@ -261,11 +261,11 @@ def _storage_findings(r: ScriptReport, max_files: int = 4096) -> list[str]:
         root = (os.path.dirname(arg) or ".") if arg.lower().endswith(".csv") and os.path.isfile(arg) else arg
         if not os.path.isdir(root):
             continue
-        files = []
+        files, until = [], time.perf_counter() + 1.0  # a large tree named for another reason: a second at most
         for dirpath, dirnames, names in os.walk(root):
             dirnames.sort()
             files += [os.path.join(dirpath, n) for n in sorted(names) if n.lower().endswith(IMAGE_EXTENSIONS)]
-            if len(files) >= max_files:
+            if len(files) >= max_files or time.perf_counter() > until:
                 break
         read = read_throughput(files[:max_files]) if files else None
         if read is not None:

@@ -85,7 +85,7 @@ def _missing() -> str | None:
         return "FUSE needs Linux with /dev/fuse"
     try:
         import fuse  # noqa: F401
-    except (ImportError, OSError, EnvironmentError) as e:
+    except (ImportError, OSError) as e:  # fusepy raises OSError where libfuse is missing
         return f"fusepy and libfuse2 are needed (pip install fusepy; apt install libfuse2): {e}"
     return None
 

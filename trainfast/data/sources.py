@@ -62,6 +62,10 @@ class Source:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def pack_command(self, out: str, size: str) -> str:
+        """The `trainfast pack` command that reads this source as it was read here."""
+        return f"trainfast pack {self.origin} {out} --size {size}" + (f" {self.pack_flags}" if self.pack_flags else "")
+
 
 def open_source(path, *, path_column="path", label_column="label", label_kind="auto",
                 alphabet=DEFAULT_ALPHABET, split="train") -> Source:

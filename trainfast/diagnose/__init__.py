@@ -98,8 +98,7 @@ def _resolve_data(data, model, batch_size: int, device, seed: int, source_option
         data = Pack(data) if is_pack(Path(data)) else open_source(data, **(source_options or {}))
     if isinstance(data, Source):
         if data.files is None:
-            raise TrainfastError(f"{data.origin}: pack it first (`trainfast pack {data.origin} OUT --size HxW"
-                                 f"{' ' + data.pack_flags if data.pack_flags else ''}`), then "
+            raise TrainfastError(f"{data.origin}: pack it first (`{data.pack_command('OUT', 'HxW')}`), then "
                                  "run the doctor on the pack")
         shape = getattr(model, "input_shape", None)
         if shape is None:
@@ -222,8 +221,7 @@ def _recommendations(net, report: Report, dev, src, pk, log) -> list[Recommendat
             recs.append(Recommendation(
                 "Pack the images once onto a local disk, then stream the pack" if storage.get("storage_bound")
                 else "Pack the images once, then stream the pack",
-                f"trainfast pack {src.origin} DATA.pack --size {shape[1]}x{shape[2]}"
-                f"{' ' + src.pack_flags if src.pack_flags else ''}\n"
+                f"{src.pack_command('DATA.pack', f'{shape[1]}x{shape[2]}')}\n"
                 f"trainfast train DATA.pack --model {cmd_model}",
                 t.step / new, True,
                 f"a pack of a sample of your files loads a batch in {per_batch * 1e3:.1f} ms; your pipeline "

@@ -2,12 +2,14 @@
 
 Also the learning-rate range test that sets the rate when none is given."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 import trainfast
-from trainfast.config import Speed, TrainConfig
+from trainfast.config import Speed, TrainConfig, default_lr
 from trainfast.datasets.plates import make_plates
 from trainfast.train import fit, lr_range
 
@@ -24,6 +26,8 @@ def test_cifar_shaped_models_learn_digits_with_the_defaults(digits_packs, tmp_pa
     r = fit(model, train, test, epochs=15, device=device, run_dir=tmp_path / "r", **QUIET)
     assert r.best >= target, [h["val_acc"] for h in r.history]
     assert r.speed.batch_size <= 32  # 1,438 images: at least 32 steps per epoch
+    lr = json.loads((r.run_dir / "config.json").read_text())["lr"]
+    assert 0 < lr <= default_lr("adamw", r.speed.batch_size)  # the range test may lower the default, never raise it
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +102,7 @@ def test_range_test_finds_a_rate_where_the_loss_falls_and_disturbs_nothing():
                             lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9), Speed(), cpu, steps=100)
     assert r.lr is not None and 1e-4 < r.lr < 1 and r.lr == pytest.approx(0.1 * r.at_min)
     rates = [p[0] for p in r.points]
-    assert rates == sorted(rates) and rates[0] == lr_range.LO and "lowest at" in r.sentence()
+    assert rates == sorted(rates) and rates[0] == lr_range.LO and "lowest at" in r.sentence(1.0, "sgd")
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters())) and torch.equal(state, torch.get_rng_state())
 
 
@@ -110,7 +114,7 @@ def test_range_test_with_nothing_to_learn_chooses_no_rate_and_fit_says_so(digits
         net[-1].bias.copy_(torch.tensor([20.0, 0, 0, 0]))  # already certain of the only label
     r = lr_range.range_test(net, lambda i: (x[:32], y[:32]), lambda p, lr: torch.optim.SGD(p, lr=lr), Speed(),
                             torch.device("cpu"), steps=30)
-    assert r.lr is None and "lowered the loss" in r.sentence()
+    assert r.lr is None and "lowered the loss" in r.sentence(0.1, "sgd") and r.peak(0.1) == 0.1
     said = []
     train, test = digits_packs
     fit("cifar_cnn", train, test, config=TrainConfig(epochs=1, loss_watch=False), speed=Speed(batch_size=64),
@@ -118,8 +122,15 @@ def test_range_test_with_nothing_to_learn_chooses_no_rate_and_fit_says_so(digits
     assert any(m.startswith("learning rate range test") for m in said)
 
 
+def test_the_range_test_lowers_the_default_rate_and_never_raises_it():
+    low, high = lr_range.RangeTest(1e-3, 1e-2, steps=23), lr_range.RangeTest(0.02, 0.2, steps=23)
+    assert low.peak(2e-3) == 1e-3 and high.peak(2e-3) == 2e-3
+    assert "the run peaks at 0.001" in low.sentence(2e-3, "adamw")
+    assert "not below adamw's default: the run peaks at the default 0.002" in high.sentence(2e-3, "adamw")
+
+
 def test_a_rate_follows_the_batch_by_one_rule_for_the_users_rate_and_the_defaults():
-    from trainfast.config import default_lr, scale_lr
+    from trainfast.config import scale_lr
     assert scale_lr("sgd", 0.1, 64, 256) == pytest.approx(0.4)
     assert scale_lr("adamw", 1e-3, 64, 256) == pytest.approx(2e-3)  # square root for the adaptive ones
     assert default_lr("adamw", 64) == pytest.approx(3e-3) and default_lr("sgd", 512) == pytest.approx(0.4)

@@ -191,7 +191,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Train MODEL on PACK with the settings `trainfast tune` measures fastest here (unless "
                     "--no-tune or pinned); where a larger batch runs clearly faster, the candidate batches first "
                     "train copies of the model for a few seconds each and the one at the lowest loss wins (at most "
-                    "5% of the planned time). Without --lr a short range test sets the rate. Validates each "
+                    "5% of the planned time). Without --lr the rate is the optimizer's default for the batch, lowered "
+                    "where a short range test on your data shows it too high. Validates each "
                     "epoch, with a run directory holding the config, "
                     "metrics.csv, curves.png, speed.json and last/best checkpoints. Ctrl-C saves; --resume "
                     "continues, even after a kill. Under torchrun it trains with DDP.",
@@ -207,10 +208,10 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                     help="(default: adamw, which also trains networks without normalisation; sgd is Nesterov)")
     tr.add_argument("--lr", type=float, default=0.0,
-                    help="peak learning rate (default: measured by a short range test on your data; where no rate "
-                         "lowers the loss there, the optimizer's default for the batch)")
+                    help="peak learning rate (default: the optimizer's default for the batch, lowered where a tenth "
+                         "of the rate at a short range test's lowest loss is lower)")
     tr.add_argument("--no-lr-test", action="store_true",
-                    help="without --lr, take the optimizer's default for the batch instead of a range test")
+                    help="without --lr, take the optimizer's default for the batch without checking it by a range test")
     tr.add_argument("--weight-decay", type=float, default=5e-4, help="(default: 5e-4)")
     tr.add_argument("--schedule", choices=("onecycle", "cosine", "constant"), default="onecycle", help="(default: onecycle)")
     tr.add_argument("--warmup", type=float, default=0.2, help="warm-up share of all steps (default: 0.2)")

@@ -131,7 +131,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     """adamw (the default: it trains networks without normalisation too), sgd (Nesterov momentum) or rmsprop."""
     lr: float = 0.0
-    """Peak learning rate; 0 measures it: a range test on the training data (see lr_test)."""
+    """Peak learning rate; 0: the optimizer's default for the batch, checked by a range test (see lr_test)."""
     momentum: float = 0.9
     """SGD momentum (Nesterov) / RMSprop momentum."""
     weight_decay: float = 5e-4
@@ -155,7 +155,8 @@ class TrainConfig:
     deterministic: bool = False
     """Deterministic kernels (cuDNN, cuBLAS): the same seed gives the same weights on the same device; can be slower."""
     lr_test: bool = True
-    """With lr 0: a learning-rate range test sets the rate; off: the optimizer's default, scaled from batch 256."""
+    """With lr 0: a learning-rate range test on the training data may lower the optimizer's default rate
+    (scaled from batch 256); off: the default as it is."""
     tune_share: float = 0.1
     """The most of the planned training time that tuning may take (0: no bound)."""
     loss_watch: bool = True

@@ -587,9 +587,9 @@ def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findin
 def _learning_rate(net, loader: Loader, cfg: TrainConfig, speed: Speed, dev, world, train_pk: Pack, saved, user_batch,
                    say) -> float:
     """The run's peak learning rate: the saved one on resume; the user's, scaled from their batch
-    to the tuned one (scale_lr); else measured by a range test on this data (10% of the
-    planned steps, 20 to 100), or, where no rate lowered the loss there, the optimizer's
-    default scaled from batch 256."""
+    to the tuned one (scale_lr); else the optimizer's default for the batch (default_lr),
+    checked by a range test on this data (10% of the planned steps, 20 to 100), which lowers it
+    where a tenth of the rate at the test's lowest loss is lower (RangeTest.peak)."""
     if saved is not None and saved.get("lr"):
         return float(saved["lr"])
     if cfg.lr:
@@ -610,9 +610,9 @@ def _learning_rate(net, loader: Loader, cfg: TrainConfig, speed: Speed, dev, wor
             net, lambda i: probe.batch(i % len(probe), epoch=0), lambda p, lr: _optimizer(p, cfg, lr, dev),
             replace(speed, batch_size=probe.batch_size), dev, f"{pack_record(train_pk)['id']}|{probe.samples}",
             cfg.optimizer, steps, cfg.label_smoothing)
-        say(found.sentence() + ("" if found.lr else f"; using {cfg.optimizer}'s default {default:.2g}"))
+        say(found.sentence(default, cfg.optimizer))
     # every process takes rank 0's answer
-    return distributed.sum_all([(found.lr or default) if world.is_main else 0.0], world)[0]
+    return distributed.sum_all([found.peak(default) if world.is_main else 0.0], world)[0]
 
 
 def _runnable(speed: Speed, dev: torch.device, say) -> Speed:

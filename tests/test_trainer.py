@@ -354,6 +354,12 @@ def test_loss_watch_names_a_stuck_and_a_diverging_run():
     diverging = loss_watch([2.2, 2.9, 3.6], 20, 10, 0.4, [])
     assert "diverging" in diverging and "too high: try --lr 0.04" in diverging
     assert loss_watch([0.9, 0.5, 0.2], 3, 10, 0.1, []) is None
+    # far above chance but falling fast (hand-set lines that start the loss at 48): not stuck, until it stops falling
+    assert loss_watch([48.5, 34.8], 3, 36, 0.003, [], steps=300) is None
+    assert "not left chance" in loss_watch([48.5, 34.8, 33.9], 3, 36, 0.003, [], steps=300)
+    # above chance in loss, but reading 5× chance (a hand-set ordinal head at epoch 8): learning, not stuck
+    assert loss_watch([52.3, 5.46, 4.94], 10, 36, 0.003, [], steps=2500, acc=0.14) is None
+    assert "not left chance" in loss_watch([52.3, 5.46, 4.94], 10, 36, 0.003, [], steps=2500, acc=0.03)
 
 
 def test_a_run_that_does_not_learn_is_stopped_with_the_reason(digits_packs, tmp_path, device):

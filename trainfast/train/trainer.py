@@ -362,6 +362,7 @@ class _Run:
         state.update(epoch=epoch + 1, position=0, partial=[0.0, 0.0, 0.0, 0.0],
                      best=max(state["best"], score), bad_epochs=0 if improved else state["bad_epochs"] + 1)
         state.setdefault("losses", []).append(row["train_loss"])  # the same on every process: for the loss watch
+        state["last_acc"] = row["train_acc"]
         self.watch.partial = state["partial"]
         if self.world.is_main:
             self.log_csv.add(row)
@@ -532,7 +533,9 @@ def _held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):
 
 STUCK_SHARE = 0.3  # the loss watch judges "stuck" after max(2, this share of the epochs)
 STUCK_STEPS = 50  # ... and after at least this many optimizer steps
-STUCK_MARGIN = 0.02  # "stuck": the epoch's training loss is within 2% of ln K, or above it
+STUCK_MARGIN = 0.02  # "stuck": the epoch's training loss is within 2% of ln K, or above it ...
+STILL_FALLING = 0.9  # ... and not below this share of the epoch before's (a loss far above ln K can be falling) ...
+ABOVE_CHANCE = 2.0  # ... and training accuracy under this many times chance (1/K): a model that reads 5× chance learns
 DIVERGED = 1.5  # "diverging": an epoch's training loss over 1.5× the first epoch's, and over ln K
 
 
@@ -556,15 +559,18 @@ def _findings(net, pk: Pack, x: torch.Tensor) -> tuple[list[str], bool]:
 
 
 def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findings: list[str],
-               steps: int = STUCK_STEPS, frozen: bool = False) -> str | None:
+               steps: int = STUCK_STEPS, frozen: bool = False, acc: float | None = None) -> str | None:
     """Why the run should stop, in words, or None. `losses`: training loss per epoch so far;
     `steps`: optimizer steps taken; `frozen`: the findings measured every output the same for
-    all training images (then no learning rate is the remedy, and none is offered).
+    all training images (then no learning rate is the remedy, and none is offered); `acc`: the
+    last epoch's training accuracy (per character for sequences), where known.
 
     A cross-entropy loss that stays at ln K (K classes per prediction) means the model
     predicts chance; with a warm-up a good run can sit there for an epoch or two (the CIFAR
     CNN on digits left it in its third of 15 epochs), so "stuck" is judged only after
-    max(2, STUCK_SHARE of the epochs) and STUCK_STEPS steps."""
+    max(2, STUCK_SHARE of the epochs) and STUCK_STEPS steps. A loss that starts far above ln K
+    (large initial logits) is not stuck while it still falls fast, nor while the model reads
+    ABOVE_CHANCE× chance: it learns, with overconfident logits."""
     if not losses or classes < 2:
         return None
     chance, last, n = math.log(classes), losses[-1], len(losses)
@@ -573,7 +579,9 @@ def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findin
     if n >= 2 and last > DIVERGED * losses[0] and last > chance:
         return (f"the training loss is diverging: {losses[0]:.3f} after epoch 1, {last:.3f} after epoch {n}. "
                 f"The learning rate ({lr:.3g}) is likely too high: try --lr {lr / 10:.2g}, or --clip 1.{hint}")
-    if n >= max(2, math.ceil(STUCK_SHARE * epochs)) and steps >= STUCK_STEPS and last >= (1 - STUCK_MARGIN) * chance:
+    learning = (n >= 2 and last < STILL_FALLING * losses[-2]) or (acc is not None and acc >= ABOVE_CHANCE / classes)
+    if n >= max(2, math.ceil(STUCK_SHARE * epochs)) and steps >= STUCK_STEPS and last >= (1 - STUCK_MARGIN) * chance \
+            and not learning:
         why = ("its output no longer depends on its input, so another learning rate would not help; the "
                "model's structure is the cause" if frozen else
                f"the learning rate ({lr:.3g}) may be too low (try --lr {lr * 10:.2g}) or too high "
@@ -802,9 +810,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
                     break
                 watch = (state["losses"], cfg.epochs, _classes(net), lr)
-                if cfg.loss_watch and loss_watch(*watch, [], state["step"]):
+                if cfg.loss_watch and loss_watch(*watch, [], state["step"], acc=state.get("last_acc")):
                     findings, frozen = _findings(net, train_pk, loader.batch(0, epoch=epoch)[0])
-                    why = loss_watch(*watch, findings, state["step"], frozen)
+                    why = loss_watch(*watch, findings, state["step"], frozen, acc=state.get("last_acc"))
                     if state["epoch"] < cfg.epochs:  # epochs left: stop rather than spend them
                         raise TrainfastError(f"{why} Stopped; the run so far is in {run_dir}.")
                     say(f"warning: {why}")

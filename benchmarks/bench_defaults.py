@@ -74,10 +74,10 @@ def _run(model: str, side: str, train, test, tmp: Path, device: str = "cpu", see
     def log(msg, *args, **kw):
         if msg.lstrip().startswith("epoch "):
             ends.append(time.perf_counter() - started)
-    kw = dict(device=device, run_dir=tmp / f"{model}-{side}", augment=Augment(translate=translate), progress=False,
+    kw = dict(device=device, run_dir=tmp / f"{model}-{side}-{seed}", augment=Augment(translate=translate), progress=False,
               log=log)
     if side in ("defaults", "again"):
-        os.environ["TRAINFAST_CACHE"] = str(tmp / f"cache-{model}")  # empty for "defaults": a first run
+        os.environ["TRAINFAST_CACHE"] = str(tmp / f"cache-{model}-{seed}")  # empty for "defaults": a first run
         r = trainfast.fit(model, train, test, config=TrainConfig(epochs=epochs, seed=seed), **kw)
         os.environ.pop("TRAINFAST_CACHE")
     else:
@@ -98,7 +98,7 @@ def _side(model: str, side: str, tmp: Path, device: str, seed: int) -> dict:
     import sys
 
     out = subprocess.run([sys.executable, __file__, "--child", model, side, str(tmp), "--device", device,
-                          "--seed", str(seed)], check=True,
+                          "--seeds", str(seed)], check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -112,14 +112,13 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0],
                    help="training seeds (weights, order, augmentation), each run on every side; with several, "
                         "the means over them are compared")
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the child's
     p.add_argument("--child", nargs=3, metavar=("MODEL", "SIDE", "TMP"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         import json
         model, side, tmp = a.child
         tmp = Path(tmp)
-        print(json.dumps(_run(model, side, tmp / f"{model}-train", tmp / f"{model}-test", tmp, a.device, a.seed)))
+        print(json.dumps(_run(model, side, tmp / f"{model}-train", tmp / f"{model}-test", tmp, a.device, a.seeds[0])))
         return
     import platform
 

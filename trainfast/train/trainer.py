@@ -535,7 +535,7 @@ STUCK_SHARE = 0.3  # the loss watch judges "stuck" after max(2, this share of th
 STUCK_STEPS = 50  # ... and after at least this many optimizer steps
 STUCK_MARGIN = 0.02  # "stuck": the epoch's training loss is within 2% of ln K, or above it ...
 STILL_FALLING = 0.9  # ... and not below this share of the epoch before's (a loss far above ln K can be falling) ...
-ABOVE_CHANCE = 2.0  # ... and training accuracy under this many times chance (1/K): a model that reads 5× chance learns
+ABOVE_CHANCE = 2.0  # ... and training accuracy under this many times chance (1/K): one that reads 2× chance learns
 DIVERGED = 1.5  # "diverging": an epoch's training loss over 1.5× the first epoch's, and over ln K
 
 

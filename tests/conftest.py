@@ -110,7 +110,8 @@ class Signals(nn.Module):
         self.at, self.sig, self.when, self.calls = at, sig, when, 0
 
     def forward(self, x):
-        if self.training == (self.when == "train"):
+        # NOTE: fit's first forward (2 of the pack's images, to check the model takes them) is not counted
+        if self.training == (self.when == "train") and len(x) > 2:
             self.calls += 1
             if self.calls == self.at:
                 os.kill(os.getpid(), self.sig)

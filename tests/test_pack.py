@@ -226,7 +226,7 @@ def test_a_worker_holds_its_chunk_once_not_a_float_copy(tmp_path):
 
     images = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)
     src = trainfast.data.sources.from_arrays(images, np.arange(8) % 2)
-    cfg = pack_mod._checked(PackConfig(size=(256, 256), encoding="raw"))
+    cfg = pack_mod._checked(PackConfig(size=(256, 256), encoding="raw"), src)
     task = pack_mod._task(src, 0, np.arange(8), cfg, tmp_path)
     tracemalloc.start()
     result = pack_mod._build_chunk(task)
@@ -353,3 +353,34 @@ def test_an_unreadable_class_folder_is_an_error_not_an_empty_class(image_folder,
     with pytest.raises(TrainfastError, match="dog: cannot read this folder \\(Permission denied\\)"):
         trainfast.pack(image_folder, tmp_path / "p", size=(8, 8), progress=False)
     assert not (tmp_path / "p").exists()
+
+
+def test_arrays_keep_their_own_size_files_need_a_size(image_folder, tmp_path, capsys):
+    """pack((x, y)) of 32×32 arrays is a 32×32 pack (it was the plate story's 64×128, silently)."""
+    x = np.random.default_rng(0).integers(0, 255, (20, 32, 32, 3), dtype=np.uint8)
+    pk = trainfast.pack((x, np.arange(20) % 4), tmp_path / "a", progress=False)
+    assert pk.shape == (32, 32, 3) and np.array_equal(pk.image(0), x[int(pk.inputs[0].split("[")[1][:-1])])
+    assert trainfast.pack((x[..., 0], np.arange(20) % 4), tmp_path / "g", progress=False).shape == (32, 32, 3)
+    assert trainfast.pack((x, np.arange(20) % 4), tmp_path / "s", size=(16, 8), progress=False).shape == (16, 8, 3)
+    chw = trainfast.pack((x.transpose(0, 3, 1, 2), np.array(["b", "a"] * 10)), tmp_path / "c")
+    assert chw.shape == (32, 32, 3) and chw.classes == ["a", "b"]
+    err = capsys.readouterr().err
+    assert "channels-first" in err and "a=0, b=1" in err  # said once, on stderr with the pack's summary
+    with pytest.raises(TrainfastError, match=r"image files can differ in size; .*size=\(64, 128\)"):
+        trainfast.pack(image_folder, tmp_path / "f", progress=False)
+
+
+@pytest.mark.parametrize("source, says", [
+    ({"pixels": 1}, "a dict source needs 'images'"),
+    (42, "cannot pack a int; give an image folder"),
+])
+def test_what_pack_takes_is_named(tmp_path, source, says):
+    with pytest.raises(TrainfastError, match=says):
+        trainfast.pack(source, tmp_path / "p", progress=False)
+
+
+def test_pack_as_list_or_dict_and_into_new_folders(tmp_path):
+    x = np.zeros((8, 6, 6, 3), np.uint8)
+    y = np.arange(8) % 2
+    assert len(trainfast.pack([x, y], tmp_path / "new" / "sub" / "l.pack", progress=False)) == 8
+    assert len(trainfast.pack({"images": x, "labels": y}, tmp_path / "d.pack", progress=False)) == 8

@@ -154,3 +154,33 @@ def test_a_pack_inside_a_class_folder_tree_is_not_a_class(image_folder, tmp_path
     pk = trainfast.pack(image_folder, tmp_path / "p", size=(8, 8), progress=False)
     shutil.copytree(pk.path, image_folder / "old.pack")  # where an older trainfast let OUT be
     assert from_folder(image_folder).classes == ["cat", "dog"]
+
+
+def test_arrays_as_users_hold_them():
+    """Channels-first images, class names, one-hot and whole-number float labels are read, and said."""
+    x = np.arange(4 * 3 * 8 * 6, dtype=np.uint8).reshape(4, 3, 8, 6)  # (N, C, H, W)
+    src = from_arrays(x, np.array(["dog", "cat", "frog", "cat"]))
+    assert src.array.shape == (4, 8, 6, 3) and np.array_equal(src.array[1], x[1].transpose(1, 2, 0))
+    assert src.classes == ["cat", "dog", "frog"] and src.labels.tolist() == [1, 0, 2, 0]
+    assert any("channels-first" in n for n in src.notes) and any("cat=0" in n for n in src.notes)
+    one_hot = np.eye(3, dtype=np.float32)[[2, 0, 1, 1]]
+    assert from_arrays(x, one_hot).labels.tolist() == [2, 0, 1, 1]
+    assert from_arrays(x, np.array([1.0, 0.0, 2.0, 2.0])).labels.tolist() == [1, 0, 2, 2]
+    assert from_arrays(x, [b"a", b"b", b"a", b"b"]).classes == ["a", "b"]
+    assert from_arrays(x.astype(np.int64), [0, 1, 0, 1]).array.dtype == np.uint8  # ints in 0-255
+
+
+def test_arrays_refused_in_one_line_that_says_the_fix():
+    x = np.zeros((4, 8, 8, 3), np.uint8)
+    with pytest.raises(TrainfastError, match=r"x.transpose\(0, 2, 3, 1\)"):
+        from_arrays(np.zeros((4, 8, 8, 7), np.uint8), [0, 1, 0, 1])
+    with pytest.raises(TrainfastError, match="np.unique"):
+        from_arrays(x, np.array([0.5, 1, 0, 1]))
+    with pytest.raises(TrainfastError, match="≥ 0"):
+        from_arrays(x, np.array([0, -1, 0, 1]))
+    with pytest.raises(TrainfastError, match="need an alphabet"):
+        from_arrays(x, np.zeros((4, 5), np.int64))
+    with pytest.raises(TrainfastError, match="values from 1000 to 1000"):
+        from_arrays(np.full((4, 8, 8, 3), 1000, np.int32), [0, 1, 0, 1])
+    with pytest.raises(TrainfastError, match="mix strings with int"):
+        from_arrays(x, np.array(["a", 1, "b", 2], dtype=object))

@@ -18,6 +18,7 @@ from trainfast.cli import main
 from trainfast.config import Speed, TrainConfig
 from trainfast.errors import TrainfastError
 from trainfast.train import fit
+from trainfast.data.loader import Loader
 from trainfast.train.trainer import evaluate
 
 def fast(device: str) -> Speed:
@@ -433,3 +434,40 @@ def test_default_run_dir_is_one_plain_folder_per_model():
     assert _dir_name("plate_net") == "plate_net"
     assert _dir_name("nets/my models/plate.py:build") == "plate.build"
     assert _dir_name("weird name!") == "weird-name"
+
+
+def test_fit_names_what_it_takes_and_takes_what_users_hold(digits_packs, tmp_path):
+    """fit checks its data and the model against it before any tuning, in one line each; a Loader
+    and (x, y) arrays are taken as a notebook user hands them over."""
+    import torch.nn as nn
+    train, _ = digits_packs
+    said = []
+    quiet = dict(epochs=1, tune=False, device="cpu", progress=False, log=said.append)
+
+    def net(c=3, out=10):
+        return nn.Sequential(nn.Conv2d(c, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                             nn.LazyLinear(out))
+
+    with pytest.raises(TrainfastError, match=r"does not take .*3×32×32.*to have 1 channels"):
+        fit(net(c=1), train, run_dir=tmp_path / "a", **quiet)
+    with pytest.raises(TrainfastError, match=r"has 10 classes; the model predicts 5 per image"):
+        fit(net(out=5), train, run_dir=tmp_path / "b", **quiet)
+    with pytest.raises(TrainfastError, match="must be a trainfast Pack or a pack's path, not a dict"):
+        fit(net(), {"x": 1}, run_dir=tmp_path / "c", **quiet)
+    with pytest.raises(TrainfastError, match="returns a tuple"):
+        fit(TupleNet(), train, run_dir=tmp_path / "d", **quiet)
+    r = fit(net(), Loader(train, 32, device="cpu"), run_dir=tmp_path / "e", **quiet)  # lazy: materialised first
+    assert r.speed.batch_size == 32 and any("the Loader's pack" in s for s in said)
+    x = np.stack([train.image(i) for i in range(200)])
+    r = fit(net(), (x, np.asarray(train.labels[:200])), run_dir=tmp_path / "f", **quiet)
+    assert len(r.history) == 1 and any("packed the (200 images 32×32×3, labels) arrays" in s for s in said)
+
+
+class TupleNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3 * 32 * 32, 10)
+
+    def forward(self, x):
+        out = self.fc(x.flatten(1))
+        return out, out

@@ -269,3 +269,21 @@ def test_a_budget_spent_during_the_final_keeps_the_best_timed(monkeypatch):
                  budget_share=0.1, try_compile=False, retune=True, log=lambda m: None)
         timed = [t for t in r.rows if t.images_per_s]
         assert r.best.label() in {t.speed.label() for t in timed}
+
+
+def test_tune_checks_its_input_and_takes_a_pack(monkeypatch, digits_packs):
+    import pytest
+
+    from trainfast.errors import TrainfastError
+    with pytest.raises(TrainfastError, match=r"looks like a pack's \(H, W, C\): give \(3, 32, 32\)"):
+        tune(_net(), (32, 32, 3), device="cpu", measure=_fake([]), log=lambda m: None)
+    with pytest.raises(TrainfastError, match=r"does not take inputs of shape \(1, 8, 8\)"):
+        tune(_net(), (1, 8, 8), device="cpu", measure=_fake([]), log=lambda m: None)
+    with pytest.raises(TrainfastError, match="tune takes an nn.Module, not a str"):
+        tune("cifar_cnn", (3, 8, 8), device="cpu", log=lambda m: None)
+    lazy = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4))
+    tried = []
+    train, _ = digits_packs  # 1,15x images: fit would bound the batch at 32, and so does a tune given the pack
+    r = tune(lazy, train, device="cpu", measure=_fake(tried), try_compile=False, retune=True, log=lambda m: None)
+    assert max(s.batch_size for s in tried) == 32 and r.best.batch_size <= 32
+    assert tuple(lazy[3].weight.shape) == (4, 8 * 32 * 32)  # materialised by the first forward

@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
                "--label-column plate")
     pk.add_argument("source", metavar="SOURCE", help="image folder, .csv, .npz or CIFAR .tar.gz")
     pk.add_argument("out", metavar="OUT", help="the pack's directory (created)")
-    pk.add_argument("--size", type=_size, required=True, metavar="HxW", help="target height x width, e.g. 64x128")
+    pk.add_argument("--size", type=_size, metavar="HxW",
+                    help="target height x width, e.g. 64x128; needed for image files (a .npz or CIFAR keeps its own)")
     pk.add_argument("--resize", choices=("stretch", "fit", "crop"), default="stretch",
                     help="stretch ignores aspect; fit pads with black; crop centre-crops (default: stretch)")
     pk.add_argument("--channels", type=int, choices=(1, 3), default=3, help="3 = RGB, 1 = grayscale (default: 3)")

@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass, fields
 class PackConfig:
     """How `trainfast pack` turns a source into a pack."""
 
-    size: tuple[int, int] = (64, 128)
-    """Target (height, width) of every image in the pack."""
+    size: tuple[int, int] | None = None
+    """Target (height, width) of every image in the pack; None: arrays keep their own (files need one)."""
     resize: str = "stretch"
     """stretch (ignore aspect), fit (pad with black to keep aspect) or crop (centre crop)."""
     channels: int = 3
-    """3 for RGB, 1 for grayscale; every input mode is converted."""
+    """3 for RGB, 1 for grayscale; every input mode is converted (grayscale arrays too: channels=1 keeps them)."""
     encoding: str = "auto"
     """raw (uint8 arrays; fastest to read) or jpeg (small on disk); auto: jpeg above 256×256."""
     quality: int = 90

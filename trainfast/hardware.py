@@ -185,7 +185,8 @@ class OtherLoad:
 
 # --- measured peaks ---------------------------------------------------------------------------
 
-def _cache_dir():
+def cache_dir():
+    """trainfast's cache folder: $TRAINFAST_CACHE, else ~/.cache/trainfast (XDG_CACHE_HOME honoured)."""
     from pathlib import Path
 
     root = os.environ.get("TRAINFAST_CACHE") or os.path.join(
@@ -260,7 +261,7 @@ def read_cache(name: str) -> dict:
     import json
 
     try:
-        return json.loads((_cache_dir() / name).read_text())
+        return json.loads((cache_dir() / name).read_text())
     except (OSError, ValueError):
         return {}
 
@@ -269,7 +270,7 @@ def write_cache(name: str, data: dict) -> None:
     """Write a JSON cache file atomically; a read-only home just goes uncached."""
     import json
 
-    path = _cache_dir() / name
+    path = cache_dir() / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainfast.config import PRECISIONS, Speed
+from trainfast.errors import TrainfastError
 from trainfast.hardware import fast_precisions
 from trainfast.models import rewrite
 
@@ -127,6 +128,32 @@ def to_device(x: torch.Tensor, y: torch.Tensor, speed: Speed, device: torch.devi
     if x.dim() == 4 and not x.is_contiguous(memory_format=fmt):
         x = x.contiguous(memory_format=fmt)
     return x, y
+
+
+def first_forward(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
+    """The model's output for `x` (eval mode, no gradient, on the model's device; its mode is
+    restored), or one TrainfastError line naming `what` and the reason. This first call also
+    materialises lazy modules (nn.LazyLinear), which must happen before their parameters are read."""
+    n, c, h, w = x.shape
+    ready = [p for p in model.parameters() if not isinstance(p, nn.parameter.UninitializedParameter)]
+    x = x.to(ready[0].device if ready else torch.device("cpu"))
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            out = model.eval()(x)
+    except Exception as e:  # noqa: BLE001 - whatever the user's forward raises, said in one line
+        why = (str(e).strip().splitlines() or [""])[0]
+        hint = "; a pack's channels are set when it is made (channels=1 or 3)" if "channels" in why else ""
+        raise TrainfastError(f"the model does not take {what} ({c}×{h}×{w}, as (N, {c}, {h}, {w}) tensors): "
+                             f"{type(e).__name__}{': ' + why[:300] if why else ''}{hint}") from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor):
+        raise TrainfastError(f"the model returns a {type(out).__name__}; trainfast trains on one tensor of logits, "
+                             "(N, classes) or (N, positions, characters)")
+    if not out.is_floating_point():
+        raise TrainfastError(f"the model returns {out.dtype} values; trainfast trains on floating-point logits")
+    return out
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:

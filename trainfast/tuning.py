@@ -52,6 +52,16 @@ _DEFAULT_THREADS = torch.get_num_threads()  # restored after a trial that pins t
 _clock = time.perf_counter  # the tune's own elapsed time (tests replace it)
 
 
+MIN_STEPS_PER_EPOCH = 32
+"""tune's batch is at most the largest power of two that leaves this many optimizer steps per
+epoch (per process): a schedule needs steps to work with, not just images per second."""
+
+
+def data_max_batch(images: int) -> int:
+    """The largest batch tune may pick for `images` training images per process (≥ 8)."""
+    return max(8, 2 ** int(math.log2(max(images // MIN_STEPS_PER_EPOCH, 1))))
+
+
 @dataclass
 class Trial:
     speed: Speed
@@ -266,13 +276,38 @@ def more_steps_unless_faster(result: TuneResult, floor: int, gain: float = BATCH
     return best, None
 
 
+def _input_of(data) -> tuple[tuple[int, int, int], int | None]:
+    """tune's input: ((C, H, W), the pack's image count or None) from a shape, a Pack or a pack's path."""
+    from trainfast.data.format import Pack, as_pack
+
+    if isinstance(data, (Pack, str)) or hasattr(data, "__fspath__"):
+        pk = as_pack(data, "tune's input")
+        h, w, c = pk.shape
+        return (c, h, w), len(pk)
+    try:
+        shape = tuple(int(v) for v in data)
+    except (TypeError, ValueError):
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise TrainfastError(f"tune's input must be (C, H, W), e.g. (3, 32, 32), or a pack; got {data!r}")
+    c, h, w = shape
+    if c not in (1, 3, 4) and w in (1, 3, 4):
+        raise TrainfastError(f"tune's input shape is (C, H, W), channels first; {shape} looks like a pack's "
+                             f"(H, W, C): give ({w}, {c}, {h})")
+    return shape, None
+
+
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
          max_batch: int | None = None, planned_images: int | None = None, budget_share: float = 0.0,
          max_seconds: float | None = None, try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
          measure: Callable[..., Trial] | None = None, log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
+        trainfast.tune(model, (3, 32, 32))      # inputs of this shape
+        trainfast.tune(model, "cifar.pack")     # the pack's shape; the batch bounded by its images, as fit bounds it
+
     Args:
+        input_shape: (C, H, W), or a Pack (or a pack's path).
         batch_size: pin the batch size (else start at 64, or less than max_batch, and search
             powers of two).
         max_batch: the largest batch tried (default MAX_BATCH[device type]).
@@ -291,7 +326,14 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         dev = hardware.resolve_device(device)
     except ValueError as e:
         raise TrainfastError(str(e)) from None
+    if not isinstance(model, torch.nn.Module):
+        raise TrainfastError(f"tune takes an nn.Module, not a {type(model).__name__}")
+    input_shape, images = _input_of(input_shape)
+    if images is not None:  # a pack: its images bound the batch as fit bounds it, unless the caller did
+        max_batch = max_batch or min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(images))
+        planned_images = planned_images or images
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
+    _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy modules too
     started = _clock()
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch))
     cache = hardware.read_cache("tune.json")

@@ -14,6 +14,8 @@ A pack is a directory of plain files that numpy alone can read:
 from __future__ import annotations
 
 import json
+import os
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +38,7 @@ def read_meta(path) -> dict:
         raise TrainfastError(f"{p}: no such pack (no file or folder there)")
     if not p.is_dir():  # a CSV, an image, a tarball given where a pack belongs
         raise TrainfastError(f"{p}: not a pack but a file; make a pack from it first: "
-                             f"trainfast pack {p} OUT --size HxW")
+                             f"trainfast pack {shlex.quote(str(p))} OUT --size HxW")
     try:
         meta = json.loads((p / META).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -101,6 +103,20 @@ def _check_arrays(pk: "Pack") -> None:
                              "not uint8 bytes and integer offsets")
     if off[0] != 0 or off[-1] != len(pk.jpeg) or (n and np.any(np.diff(off) <= 0)):
         raise _damaged(path, "offsets.npy is not increasing from 0 to the size of jpeg.npy")
+
+
+def as_pack(obj, what: str = "data") -> "Pack":
+    """`obj` as an open Pack: a Pack, or the path of one; anything else is named in one line."""
+    if isinstance(obj, Pack):
+        return obj
+    if isinstance(obj, (str, os.PathLike)):
+        return Pack(obj)
+    hint = ""
+    if isinstance(obj, (tuple, list)) and len(obj) == 2:
+        hint = "; pack arrays first: trainfast.pack((x, y), 'train.pack')"
+    elif type(obj).__name__ in ("DataLoader", "Dataset", "Sequence", "PyDataset"):
+        hint = "; pack the images first with trainfast.pack or `trainfast pack`"
+    raise TrainfastError(f"{what} must be a trainfast Pack or a pack's path, not a {type(obj).__name__}{hint}")
 
 
 class Pack:

@@ -32,7 +32,7 @@ import torch
 from trainfast.config import Augment
 from trainfast.data import augment as _augment
 from trainfast.data.decode import decode_jpeg, jpeg_decoder_name
-from trainfast.data.format import Pack
+from trainfast.data.format import Pack, as_pack
 from trainfast.errors import TrainfastError
 from trainfast.hardware import resolve_device, usable_cores
 
@@ -148,10 +148,13 @@ class Loader:
                  augment: Augment | None = None, rank: int = 0, world_size: int = 1,
                  workers: int | None = None, prefetch: int | None = None, subset=None,
                  resident: bool | None = None, decode: str = "auto"):
-        self.pack = pack if isinstance(pack, Pack) else Pack(Path(pack))
+        self.pack = as_pack(pack, "Loader's pack")
         self.subset = None if subset is None else np.asarray(subset, dtype=np.int64)
-        if batch_size < 1:
-            raise TrainfastError(f"batch_size must be ≥ 1, not {batch_size}")
+        for arg, value, least in (("batch_size", batch_size, 1), ("workers", workers, 1), ("prefetch", prefetch, 1),
+                                  ("rank", rank, 0), ("world_size", world_size, 1), ("seed", seed, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value < least):
+                raise TrainfastError(f"Loader: {arg} must be a whole number ≥ {least}, not {value!r}")
         if not (world_size >= 1 and 0 <= rank < world_size):
             raise TrainfastError(f"rank {rank} is not in [0, world_size={world_size})")
         try:

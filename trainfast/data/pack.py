@@ -32,7 +32,7 @@ from trainfast.data import decode as _decode
 from trainfast.data.format import ENCODINGS, SCHEMA_VERSION, Pack, is_pack, read_meta
 from trainfast.data.sources import Source, from_arrays, open_source
 from trainfast.errors import TrainfastError
-from trainfast.hardware import usable_cores
+from trainfast.hardware import cache_dir, usable_cores
 
 _JPEG_AUTO_PIXELS = 256 * 256  # auto encoding: raw up to this many pixels per image, jpeg above
 
@@ -59,16 +59,12 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
     """
     source_options = {k: options.pop(k) for k in ("path_column", "label_column", "label_kind", "alphabet", "split")
                       if k in options}
-    cfg = replace(config or PackConfig(), **options)
-    cfg = _checked(cfg)
     log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
-
-    if isinstance(source, Source):
-        src = source
-    elif isinstance(source, tuple) and len(source) == 2:  # (images, labels); sequences name their alphabet
-        src = from_arrays(*source, alphabet=source_options.get("alphabet"))
-    else:
-        src = open_source(source, **source_options)
+    src = _source(source, source_options)
+    cfg = replace(config or PackConfig(), **options)
+    cfg = _checked(cfg, src)
+    for note in src.notes:
+        log(f"{src.origin}: {note}")
 
     if src.skipped and cfg.on_error == "fail":
         key, reason = src.skipped[0]
@@ -82,6 +78,39 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
     _check_out(out, src)
     with _only_writer(out):
         return _build(src, out, order, cfg, identity, overwrite, progress, log)
+
+
+def is_arrays(data) -> bool:
+    """True for (images, labels) given as a pair of arrays rather than paths."""
+    return isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data[0], (str, os.PathLike))
+
+
+def pack_arrays(images, labels, name: str = "arrays") -> tuple[Pack, list[str]]:
+    """(images, labels) arrays as a pack in trainfast's cache, at their own size, made once and
+    reused while the arrays are the same (the folder is named by their fingerprint); and the notes
+    on how they were read (channels-first, class names)."""
+    src = from_arrays(images, labels, name=name)
+    out = cache_dir() / "packs" / f"{src.fingerprint()[:16]}.pack"
+    return pack(src, out, progress=False, overwrite=True), src.notes
+
+
+def _source(source, options: dict) -> Source:
+    """What `pack` was given, as a Source; anything else is named with what pack takes."""
+    if isinstance(source, Source):
+        return source
+    if is_arrays(source):
+        return from_arrays(*source, alphabet=options.get("alphabet"))  # (images, labels); sequences name their alphabet
+    if isinstance(source, dict):
+        ik = next((k for k in ("images", "x") if k in source), None)
+        lk = next((k for k in ("labels", "y") if k in source), None)
+        if ik is None or lk is None:
+            raise TrainfastError(f"pack: a dict source needs 'images' (or 'x') and 'labels' (or 'y'); it has "
+                                 f"{', '.join(map(repr, source)) or 'nothing'}")
+        return from_arrays(source[ik], source[lk], classes=source.get("classes"), alphabet=options.get("alphabet"))
+    if isinstance(source, (str, os.PathLike)):
+        return open_source(source, **options)
+    raise TrainfastError(f"pack: cannot pack a {type(source).__name__}; give an image folder, a .csv, a .npz or a "
+                         "CIFAR tarball path, or arrays as (images, labels)")
 
 
 def _build(src: Source, out: Path, order: np.ndarray, cfg: PackConfig, identity: dict, overwrite: bool,
@@ -140,7 +169,9 @@ def _only_writer(out: Path):
     path = out.parent / f".{out.name}.trainfast-lock"
     while True:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            out.parent.mkdir(parents=True, exist_ok=True)  # pack(src, "new/sub/x.pack"): OUT's parents are made
+            # NOTE: O_NOFOLLOW: a link planted under the lock's name is not followed to create its target
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as e:
             raise TrainfastError(f"{out.parent}: cannot write here ({e.strerror or e})") from None
         try:
@@ -196,7 +227,12 @@ def _pack_meta(out: Path) -> dict | None:
         return None
 
 
-def _checked(cfg: PackConfig) -> PackConfig:
+def _checked(cfg: PackConfig, src: Source) -> PackConfig:
+    if cfg.size is None:  # arrays keep their own size; files may each have another
+        if src.array is None:
+            raise TrainfastError(f"{src.origin}: image files can differ in size; say which size the pack holds, "
+                                 "e.g. size=(64, 128) (--size 64x128)")
+        cfg = replace(cfg, size=src.array.shape[1:3])
     try:
         h, w = (int(v) for v in cfg.size)
     except (TypeError, ValueError):

@@ -44,6 +44,7 @@ class Source:
     array: np.ndarray | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
     pack_flags: str = ""  # the `trainfast pack` options that read this source the same way (a CSV's columns)
+    notes: list[str] = field(default_factory=list)  # how the inputs were read, for the log (channels-first, names)
 
     def fingerprint(self) -> str:
         """sha1 of what the pack is made from: the input names and labels (and array bytes).
@@ -222,29 +223,101 @@ def _looks_like_sequences(texts: list[str], alphabet: str) -> bool:
 
 
 def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> Source:
-    """In-memory images (N, H, W[, C]) uint8 (or float in [0, 1]) and labels (N,) or (N, L)."""
+    """In-memory images (N, H, W[, C]) uint8 (or float in [0, 1]) and labels (N,) or (N, L).
+
+    Arrays as users already hold them are taken: channels-first images (N, C, H, W) are
+    viewed channels-last, and string, boolean, whole-number float or one-hot labels become
+    classes. `Source.notes` says which conversion was made.
+    """
     images = np.asarray(images)
     labels = np.asarray(labels)
+    notes = []
     if images.ndim not in (3, 4):
         raise TrainfastError(f"{name}: images must be (N, H, W) or (N, H, W, C), got shape {images.shape}")
     if len(images) == 0:
         raise TrainfastError(f"{name}: no images (empty array)")
+    if images.ndim == 4 and images.shape[1] in (1, 3, 4) and images.shape[3] not in (1, 3, 4):
+        # (N, C, H, W), as torch and CIFAR's raw rows hold them; the pack's decoder wants (H, W, C)
+        images = images.transpose(0, 2, 3, 1)
+        notes.append(f"images {tuple(np.shape(images.transpose(0, 3, 1, 2)))} read as channels-first "
+                     f"(N, C, H, W) and stored channels-last")
+    elif images.ndim == 4 and images.shape[3] not in (1, 3, 4):
+        raise TrainfastError(f"{name}: images of shape {images.shape} have {images.shape[3]} channels; trainfast "
+                             "packs (N, H, W, C) images with 1, 3 or 4 channels (channels-first arrays: "
+                             "x.transpose(0, 2, 3, 1))")
     if len(labels) != len(images):
         raise TrainfastError(f"{name}: {len(images)} images but {len(labels)} labels")
-    if labels.dtype.kind not in "iu" or labels.ndim not in (1, 2):
-        raise TrainfastError(f"{name}: labels must be integers of shape (N,) or (N, L), got {labels.dtype} {labels.shape}")
-    if labels.ndim == 2 and alphabet is None:
-        raise TrainfastError(f"{name}: sequence labels (N, L) need an alphabet")
+    labels, classes, note = _class_labels(labels, classes, alphabet, name)
+    notes += [note] if note else []
     if images.dtype.kind == "f":
         top = float(np.nanmax(images))
         if top > 1.0 + 1e-3:  # clipped to [0, 1], 0–255 floats would come out almost all white
             raise TrainfastError(f"{name}: float images must be in [0, 1], and these reach {top:.4g}; for 0–255 "
                                  "values pass them as uint8 (images.astype(np.uint8)) or divide by 255")
+    elif images.dtype.kind in "iu" and images.dtype != np.uint8:
+        low, top = int(images.min()), int(images.max())
+        if low < 0 or top > 255:
+            raise TrainfastError(f"{name}: {images.dtype} images hold values from {low} to {top}; trainfast packs "
+                                 "0–255 (uint8) or floats in [0, 1]")
+        images = images.astype(np.uint8)
+    elif images.dtype != np.uint8:
+        raise TrainfastError(f"{name}: images must be uint8 (0–255) or floats in [0, 1], not {images.dtype}")
     if classes is None and labels.ndim == 1:
         classes = [str(i) for i in range(int(labels.max()) + 1)]
     keys = [f"{name}[{i}]" for i in range(len(images))]
     return Source("arrays", name, keys, labels.astype(np.int64), classes=list(classes) if classes else None,
-                  alphabet=alphabet, array=images)
+                  alphabet=alphabet, array=images, notes=notes)
+
+
+def _class_labels(labels: np.ndarray, classes, alphabet, name: str):
+    """(int64 labels, classes, a note or None) from the labels arrays users hold."""
+    if labels.dtype.kind == "O":  # a list or pandas column of Python objects: let numpy type it
+        kinds = {isinstance(v, (str, bytes)) for v in labels.ravel()}
+        if len(kinds) == 2:
+            odd = next(v for v in labels.ravel() if not isinstance(v, (str, bytes)))
+            raise TrainfastError(f"{name}: labels mix strings with {type(odd).__name__} ({odd!r}); give integers "
+                                 "(N,) or class names (N,) as strings")
+        labels = np.asarray(labels.tolist())
+    if labels.dtype.kind in "USO":  # names: 'cat', b'dog'; sorted, as a folder's classes are
+        if labels.ndim != 1:
+            raise TrainfastError(f"{name}: string labels must be one per image, shape (N,), not {labels.shape}")
+        text = np.array([v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in labels])
+        found, index = np.unique(text, return_inverse=True)
+        if classes is not None:
+            missing = sorted(set(found) - set(map(str, classes)))
+            if missing:
+                raise TrainfastError(f"{name}: labels {missing[:5]} are not among the classes given")
+            where = {c: i for i, c in enumerate(map(str, classes))}
+            return np.array([where[t] for t in text], np.int64), list(map(str, classes)), None
+        shown = ", ".join(f"{c}={i}" for i, c in enumerate(found[:6])) + (", …" if len(found) > 6 else "")
+        return index.astype(np.int64), [str(c) for c in found],             f"{len(found)} classes from the label names, sorted: {shown}"
+    if labels.dtype.kind == "b" and labels.ndim == 1:
+        return labels.astype(np.int64), classes or ["False", "True"], None
+    if labels.dtype.kind == "f":
+        if labels.ndim == 2 and alphabet is None and labels.shape[1] > 1 and np.all((labels == 0) | (labels == 1)) \
+                and np.all(labels.sum(1) == 1):  # one-hot rows, as keras.utils.to_categorical makes them
+            return labels.argmax(1).astype(np.int64), classes, \
+                f"one-hot labels ({labels.shape[1]} columns) read as class indices"
+        if np.all(np.isfinite(labels)) and np.all(labels == np.round(labels)):
+            labels = labels.astype(np.int64)  # 3.0 is class 3
+        else:
+            bad = labels[~(np.isfinite(labels) & (labels == np.round(labels)))].ravel()[0]
+            raise TrainfastError(f"{name}: labels must be class indices or names, and {bad!r} is neither; "
+                                 "for class names, map them first: names, y = np.unique(labels, return_inverse=True)")
+    if labels.dtype.kind not in "iu" or labels.ndim not in (1, 2):
+        raise TrainfastError(f"{name}: labels must be integers (N,) or (N, L), or class names (N,), "
+                             f"got {labels.dtype} {labels.shape}")
+    if labels.ndim == 2 and alphabet is None:
+        raise TrainfastError(f"{name}: labels of shape {labels.shape} are sequences (N, L) and need an alphabet "
+                             "(alphabet=\"0123456789ABC…\"); one-hot labels: labels.argmax(1)")
+    if labels.size and labels.min() < 0:
+        raise TrainfastError(f"{name}: labels must be ≥ 0; the smallest is {int(labels.min())}")
+    if labels.ndim == 2 and labels.size and labels.max() >= len(alphabet):
+        raise TrainfastError(f"{name}: label {int(labels.max())} has no character in the alphabet of "
+                             f"{len(alphabet)} ({alphabet!r})")
+    if classes is not None and labels.ndim == 1 and labels.max() >= len(classes):
+        raise TrainfastError(f"{name}: label {int(labels.max())} has no name among the {len(classes)} classes given")
+    return labels, classes, None
 
 
 def from_npz(path) -> Source:

@@ -27,6 +27,7 @@ from trainfast.config import Speed
 from trainfast.data.format import Pack, is_pack
 from trainfast.data.loader import Loader
 from trainfast.data.naive import PerImageBatches
+from trainfast.data.pack import is_arrays, pack_arrays
 from trainfast.data.sources import Source, open_source
 from trainfast.diagnose.cost import ModelCost, layer_costs, measured_findings
 from trainfast.diagnose.storage import read_throughput, storage_sentence
@@ -96,6 +97,8 @@ def _resolve_data(data, model, batch_size: int, device, seed: int, source_option
     """(iterable of batches, description, Source of files or None, Pack or None)."""
     if isinstance(data, (str, Path)):
         data = Pack(data) if is_pack(Path(data)) else open_source(data, **(source_options or {}))
+    if is_arrays(data):  # (x, y) arrays: packed once into the cache, then read as the pack
+        data = pack_arrays(*data)[0]
     if isinstance(data, Source):
         if data.files is None:
             raise TrainfastError(f"{data.origin}: pack it first (`{data.pack_command('OUT', 'HxW')}`), then "

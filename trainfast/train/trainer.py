@@ -27,11 +27,13 @@ import torch
 from trainfast import hardware, models
 from trainfast import step as _step
 from trainfast.config import OPTIMIZERS, SCHEDULES, Augment, Speed, TrainConfig, default_lr, scale_lr
-from trainfast.data.format import Pack
+from trainfast.data.format import Pack, as_pack
 from trainfast.data.loader import Loader
+from trainfast.data.pack import is_arrays, pack_arrays
 from trainfast.errors import TrainfastError
 from trainfast.train import checkpoint, distributed, lr_range
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
+from trainfast.tuning import MIN_STEPS_PER_EPOCH, data_max_batch  # noqa: F401 - fit's data bound, kept importable here
 
 
 # Steps between reads of the loss off the device (see _Watch). On a CPU a read costs nothing.
@@ -54,22 +56,33 @@ def _model_and_name(model) -> tuple[torch.nn.Module, str]:
         raise TrainfastError(str(e)) from None
 
 
-def check_fits(model: torch.nn.Module, pk: Pack) -> None:
-    """The pack's image shape and label kind must be what the model takes and predicts."""
+def check_fits(model: torch.nn.Module, pk: Pack) -> int:
+    """The pack's images and labels must be what the model takes and predicts: checked with one
+    forward pass of two of the pack's images (on the CPU, in eval mode, no gradient), which also
+    materialises lazy modules (nn.LazyLinear) before an optimizer needs their parameters."""
     h, w, c = pk.shape
     want = getattr(model, "input_shape", None)
     if want is not None and tuple(want) != (c, h, w):
         raise TrainfastError(f"{pk.path} holds {c}×{h}×{w} images; the model takes {'×'.join(map(str, want))}")
-    out = getattr(model, "output_shape", None)
-    if out is None:
-        return
-    if pk.sequence_length:
-        if len(out) != 2 or out[0] != pk.sequence_length or out[1] < len(pk.alphabet):
-            raise TrainfastError(f"{pk.path} has sequence labels ({pk.sequence_length} × {len(pk.alphabet)} "
-                                 f"characters); the model predicts {'×'.join(map(str, out))}")
-    elif len(out) != 1 or out[0] < len(pk.classes or []):
+    out = model_output(model, pk)
+    need = pk.sequence_length
+    if need:
+        if out.dim() != 3 or out.shape[1] != need or out.shape[2] < len(pk.alphabet):
+            raise TrainfastError(f"{pk.path} has sequence labels ({need} × {len(pk.alphabet)} characters); the model "
+                                 f"predicts {'×'.join(map(str, out.shape[1:]))} per image: it needs "
+                                 f"(N, {need}, {len(pk.alphabet)}) logits")
+    elif out.dim() != 2 or out.shape[1] < len(pk.classes or []):
         raise TrainfastError(f"{pk.path} has {len(pk.classes or [])} classes; the model predicts "
-                             f"{'×'.join(map(str, out))}")
+                             f"{'×'.join(map(str, out.shape[1:]))} per image: it needs (N, {len(pk.classes or [])}) "
+                             "logits (the last layer's width)")
+    return int(out.shape[-1])  # classes per prediction: the loss watch's chance level is ln of this
+
+
+def model_output(model: torch.nn.Module, pk: Pack) -> torch.Tensor:
+    """The model's output for two of the pack's images, or one line saying why there is none."""
+    h, w, c = pk.shape
+    x = torch.from_numpy(np.stack([pk.image(i) for i in range(min(2, len(pk)))])).permute(0, 3, 1, 2).float() / 255
+    return _step.first_forward(model, x, f"{pk.path}'s images")
 
 
 def _optimizer(params, cfg: TrainConfig, lr: float, device: torch.device):
@@ -415,16 +428,6 @@ def _epoch_line(row: dict, sequence: bool) -> str:
             f"{row['seconds']:.1f} s")
 
 
-MIN_STEPS_PER_EPOCH = 32
-"""tune's batch is at most the largest power of two that leaves this many optimizer steps per
-epoch (per process): a schedule needs steps to work with, not just images per second."""
-
-
-def data_max_batch(images: int) -> int:
-    """The largest batch tune may pick for `images` training images per process (≥ 8)."""
-    return max(8, 2 ** int(math.log2(max(images // MIN_STEPS_PER_EPOCH, 1))))
-
-
 def _pays(best: Speed, rows: list, planned_images: int, say) -> Speed:
     """`best` if it is not compiled, or if its compile time is won back over the planned
     images; else the same settings uncompiled."""
@@ -512,6 +515,30 @@ def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, de
     return replace(won, compile=rule.compile), {"lap_s": seconds, "laps": [lap.to_dict() for lap in laps], "cached": cached}
 
 
+def _training_pack(data, pin: dict | None, say, what: str = "train") -> tuple[Pack, dict | None]:
+    """fit's data as a Pack: a Pack or its path; a Loader (its pack, and its batch size pinned);
+    or (images, labels) arrays, packed once into trainfast's cache and reused while they are the same."""
+    if isinstance(data, Loader):
+        pin = {**(pin or {}), "batch_size": (pin or {}).get("batch_size") or data.batch_size}
+        say(f"{what}: the Loader's pack {data.pack.path}, at batch {pin['batch_size']} (fit makes its own Loader, "
+            "with its augmentations and held-out split)")
+        return data.pack, pin
+    if is_arrays(data):
+        pk, notes = pack_arrays(*data, name=f"{what} arrays")
+        h, w, c = pk.shape
+        say(f"{what}: packed the ({len(pk)} images {h}×{w}×{c}, labels) arrays into {pk.path} (reused while "
+            "the arrays are the same)" + "".join(f"; {n}" for n in notes))
+        return pk, pin
+    return as_pack(data, f"fit's {what} data"), pin
+
+
+def _label_names(pk: Pack) -> str:
+    if pk.alphabet:
+        return f"alphabet {pk.alphabet!r}"
+    names = pk.classes or []
+    return ", ".join(names[:5]) + (f", … ({len(names)})" if len(names) > 5 else "")
+
+
 def _dir_name(model_name: str) -> str:
     """A model's name as one plain folder name: 'nets/plate.py:build' → 'plate.build' (no
     slash to nest folders, no colon that some file systems and tools refuse)."""
@@ -537,12 +564,6 @@ STUCK_MARGIN = 0.02  # "stuck": the epoch's training loss is within 2% of ln K, 
 STILL_FALLING = 0.9  # ... and not below this share of the epoch before's (a loss far above ln K can be falling) ...
 ABOVE_CHANCE = 2.0  # ... and training accuracy under this many times chance (1/K): one that reads 2× chance learns
 DIVERGED = 1.5  # "diverging": an epoch's training loss over 1.5× the first epoch's, and over ln K
-
-
-def _classes(net) -> int:
-    """Classes per prediction (the alphabet for sequences), from the model's output shape."""
-    out = getattr(net, "output_shape", None)
-    return int(out[-1]) if out else 0
 
 
 def _findings(net, pk: Pack, x: torch.Tensor) -> tuple[list[str], bool]:
@@ -706,11 +727,16 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         dev = hardware.resolve_device(device)
     except ValueError as e:
         raise TrainfastError(str(e)) from None
-    train_pk = train if isinstance(train, Pack) else Pack(train)
-    val_pk = None if val is None else (val if isinstance(val, Pack) else Pack(val))
-    check_fits(net, train_pk)
+    train_pk, pin = _training_pack(train, pin, say=log)
+    val_pk = None if val is None else _training_pack(val, None, say=log, what="val")[0]
+    width = check_fits(net, train_pk)
     if val_pk is not None:
         check_fits(net, val_pk)
+        a, b = sorted((val_pk.classes or [], train_pk.classes or []), key=len)
+        if val_pk.alphabet != train_pk.alphabet or b[:len(a)] != a:  # a split may lack the last classes, no more
+            raise TrainfastError(f"{val_pk.path} labels other classes than {train_pk.path} "
+                                 f"({_label_names(val_pk)} vs {_label_names(train_pk)}): its accuracy would "
+                                 "compare mismatched labels")
     world = distributed.setup(dev)  # after the checks: a bad input stops every rank before any waits for the others
     dev = world.device
     say = log if world.is_main else (lambda *a, **k: None)
@@ -809,7 +835,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     stopped = "early-stopped"
                     say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
                     break
-                watch = (state["losses"], cfg.epochs, _classes(net), lr)
+                watch = (state["losses"], cfg.epochs, width, lr)
                 if cfg.loss_watch and loss_watch(*watch, [], state["step"], acc=state.get("last_acc")):
                     findings, frozen = _findings(net, train_pk, loader.batch(0, epoch=epoch)[0])
                     why = loss_watch(*watch, findings, state["step"], frozen, acc=state.get("last_acc"))

@@ -384,3 +384,22 @@ def test_pack_as_list_or_dict_and_into_new_folders(tmp_path):
     y = np.arange(8) % 2
     assert len(trainfast.pack([x, y], tmp_path / "new" / "sub" / "l.pack", progress=False)) == 8
     assert len(trainfast.pack({"images": x, "labels": y}, tmp_path / "d.pack", progress=False)) == 8
+
+
+def test_jpegs_already_at_the_packs_size_keep_their_bytes(tmp_path):
+    """No second generation of JPEG loss (and no re-encoding time) for files already at the pack's
+    size and quality; a larger or better file is resized and encoded as before."""
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for name, size, q in (("a", (24, 16), 85), ("b", (24, 16), 75), ("c", (48, 32), 85), ("d", (24, 16), 100)):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(
+            tmp_path / "src" / name / "0.jpg", quality=q)
+    pk = trainfast.pack(tmp_path / "src", tmp_path / "p", size=(16, 24), encoding="jpeg", quality=85, progress=False)
+    assert pk.meta["jpeg_kept"] == 2  # a (85) and b (75); c is larger, d is better than 85 + 5
+    for i, key in enumerate(pk.inputs):
+        stored = bytes(pk.jpeg[pk.offsets[i]: pk.offsets[i + 1]])
+        assert (stored == (tmp_path / "src" / key).read_bytes()) == (key[0] in "ab")
+        assert pk.image(i).shape == (16, 24, 3)
+    again = trainfast.pack(tmp_path / "src", tmp_path / "q", size=(16, 24), encoding="jpeg", quality=85, progress=False)
+    assert (again.path / "jpeg.npy").read_bytes() == (pk.path / "jpeg.npy").read_bytes()

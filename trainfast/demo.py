@@ -33,12 +33,13 @@ from trainfast.data.pack import pack
 from trainfast.data.sources import from_csv
 from trainfast.datasets.plates import is_current, make_plates
 from trainfast.diagnose import doctor
-from trainfast.diagnose.report import layer_chart, step_chart
+from trainfast.diagnose.report import REPORT_CSS, advice_html, layer_chart, step_chart
 from trainfast.errors import TrainfastError
 from trainfast.train import fit
 from trainfast.train.distributed import World
 from trainfast.train.trainer import data_max_batch, evaluate
 from trainfast.tuning import more_steps_unless_faster, tune
+from trainfast import units
 
 LR, LR_BATCH = 3e-3, 64  # plate_net's AdamW learning rate, measured at batch 64 (docs/MODELS.md)
 @dataclass
@@ -138,16 +139,16 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
 
     with stage("pack the photos once"):
         train_pk = pack(out / "plates-train" / "labels.csv", out / "train.pack", size=(64, 128),
-                        label_column="plate", label_kind="sequence")
+                        label_column="plate", label_kind="sequence", log=log)
         test_pk = pack(out / "plates-test" / "labels.csv", out / "test.pack", size=(64, 128),
-                       label_column="plate", label_kind="sequence")
+                       label_column="plate", label_kind="sequence", log=log)
 
     with stage("doctor: the same model on the pack"):
         after = doctor("plate_cnn", train_pk, batch_size=128, steps=cfg.doctor_steps, warmup=1, device=cfg.device,
-                       try_fixes=False)
+                       try_fixes=False, log=lambda m: log("   " + m))
         log(f"   VERDICT {after.verdict.sentence}")
         log(f"   data wait {after.times.data * 1e3:.1f} ms per step (was {before.times.data * 1e3:.0f} ms); "
-            f"{after.times.images_per_s:,.0f} images/s (was {before.times.images_per_s:,.0f})")
+            f"{units.rate(after.times.images_per_s)} images/s (was {units.rate(before.times.images_per_s)})")
 
     with stage("tune plate_net on this machine (torch.compile left out to keep the demo short)"):
         tuned = tune(models.create("plate_net"), (3, 64, 128), device=cfg.device, max_batch=data_max_batch(cfg.train),
@@ -296,17 +297,18 @@ def _html(s, before, after, tuned, speed, result, test_pk, net, dev) -> str:
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>trainfast demo</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:1050px;margin:2em auto;padding:0 1em}}
-pre{{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}} td{{padding:2px 10px}}
-.big{{font-size:1.3em}}</style></head><body>
+pre{{background:#f6f6f6;padding:1em;white-space:pre-wrap;overflow-wrap:anywhere;font-size:12px}} td{{padding:2px 10px}}
+img,svg{{max-width:100%;height:auto}} .big{{font-size:1.3em}}</style></head><body>
 <h1>trainfast demo: license plates</h1>
 <p class="big">Held-out plates: <b>{s['per_character_accuracy']:.1%}</b> of characters and
 <b>{s['whole_plate_accuracy']:.1%}</b> of whole plates read right.</p>
 <p>One epoch of {s['config']['train']} plates took <b>{s['epoch_s']:.1f} s</b> with trainfast
 ({html.escape(speed.label())}); the users' pipeline (per-image {s['reader']} decode + resize, plate CNN, fp32)
-runs at {s['users_pipeline']['images_per_s']:,.0f} images/s, i.e. <b>{s['users_pipeline']['epoch_s']:.0f} s</b> per
+runs at {units.rate(s['users_pipeline']['images_per_s'])} images/s, i.e. <b>{s['users_pipeline']['epoch_s']:.0f} s</b> per
 epoch. {s['config']['epochs']} epochs: {s['trainfast_train_s']:.0f} s, plus {s['pack_s']:.0f} s to pack once, vs
 {s['same_epochs_on_users_pipeline_s']:.0f} s.</p>
 <h2>1. The users' pipeline: {html.escape(before.verdict.sentence)}</h2>
+<div class="tf-report"><style>{REPORT_CSS}</style>{advice_html(before)}</div>
 <div>{step_chart(before)}</div><div>{layer_chart(before)}</div>
 <h2>2. On the pack: {html.escape(after.verdict.sentence)}</h2>
 <div>{step_chart(after)}</div>
@@ -316,6 +318,6 @@ epoch. {s['config']['epochs']} epochs: {s['trainfast_train_s']:.0f} s, plus {s['
 <img alt="sample plates" src="data:image/png;base64,{_png(_samples(test_pk, net, dev))}">
 <h2>6. Where the errors are (the held-out plates)</h2><pre>{html.escape(chr(10).join(_error_lines(s['errors'])))}</pre>
 <h2>Time per stage</h2><table>{rows}</table>
-<h2>The doctor's full report on the users' pipeline</h2><pre>{html.escape(before.text())}</pre>
+<details><summary>The doctor's full report on the users' pipeline</summary><pre>{html.escape(before.text())}</pre></details>
 </body></html>
 """

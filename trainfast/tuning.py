@@ -38,6 +38,7 @@ from trainfast.config import Speed
 from trainfast.diagnose.timing import step_breakdown, synthetic_batches, throughput
 from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
+from trainfast import units
 
 LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
 FINAL_ROUNDS = 2  # extra round-robin timings of each finalist
@@ -84,12 +85,19 @@ class TuneResult:
     not_timed: list[str] = field(default_factory=list)  # settings the time budget left out
     budget_s: float | None = None
 
+    def __repr__(self) -> str:  # a notebook cell shows the table and the choice, not the dataclass
+        return f"TuneResult ({len(self.rows)} timings):\n{self.table()}"
+
+    def _repr_html_(self) -> str:
+        import html
+        return f"<pre style='white-space:pre-wrap'>{html.escape(repr(self))}</pre>"
+
     def table(self) -> str:
         timed: dict[str, list[Trial]] = {}  # a setting timed several times shows once, at its median
         for r in (r for r in self.rows if r.images_per_s):
             timed.setdefault(r.speed.label(), []).append(r)
         merged = [replace(ts[0], images_per_s=_median(ts), note=ts[0].note if len(ts) == 1 else
-                          "median of " + ", ".join(f"{t.images_per_s:,.0f}" for t in ts)) for ts in timed.values()]
+                          "median of " + ", ".join(units.rate(t.images_per_s) for t in ts)) for ts in timed.values()]
         ok = sorted(merged, key=lambda r: -r.images_per_s)
         base = next((r.images_per_s for r in self.rows if r.images_per_s and r.speed.precision == "fp32"
                      and not r.speed.channels_last and not r.speed.compile), None)
@@ -98,7 +106,7 @@ class TuneResult:
         for i, r in enumerate(ok, 1):
             rel = f"{r.images_per_s / base:.2f}×" if base else ""
             note = "; ".join(n for n in (r.note, f"compile {r.compile_s:.0f} s" if r.compile_s else "") if n)
-            lines.append(f"{i:>4d}  {r.speed.label():{w}s} {r.images_per_s:9,.0f} {rel:>8s}  {note}")
+            lines.append(f"{i:>4d}  {r.speed.label():{w}s} {units.rate(r.images_per_s):>9s} {rel:>8s}  {note}")
         for r in self.rows:
             if not r.images_per_s:
                 lines.append(f"{'—':>4s}  {r.speed.label():{w}s} {'—':>9s} {'':>8s}  {r.note}")
@@ -388,7 +396,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         rows.append(trial)
         if plan and trial.images_per_s:
             plan["rate"] = max(plan["rate"], trial.images_per_s)
-        shown = f"{trial.images_per_s:,.0f} images/s" if trial.images_per_s else trial.note
+        shown = f"{units.rate(trial.images_per_s)} images/s" if trial.images_per_s else trial.note
         log(f"  {speed.label():53s} {shown}")
         return trial
 
@@ -477,6 +485,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         t = run(replace(best.speed, compile=True))
         if sound(t) and t.images_per_s > best.images_per_s * 1.03:
             best = t
+    not_timed = list(dict.fromkeys(not_timed))  # a setting the budget skipped in several phases, once
     result = TuneResult(best.speed, rows, seconds=_clock() - started, not_timed=not_timed, budget_s=budget())
     cache[key] = {"best": asdict(best.speed), "rows": [r.to_dict() for r in rows]}
     if not_timed:

@@ -128,6 +128,38 @@ except ImportError:  # a platform without its wheels: Pillow decodes
     _simplejpeg = None
 
 
+# The IJG standard luminance table (quality 50); a file's table over it gives its quality.
+_STD_LUMINANCE_SUM = sum((16, 11, 10, 16, 24, 40, 51, 61, 12, 12, 14, 19, 26, 58, 60, 55, 14, 13, 16, 24, 40, 57, 69, 56,
+                          14, 17, 22, 29, 51, 87, 80, 62, 18, 22, 37, 56, 68, 109, 103, 77, 24, 35, 55, 64, 81, 104,
+                          113, 92, 49, 64, 78, 87, 103, 121, 120, 101, 72, 92, 95, 98, 112, 100, 103, 99))
+KEEP_QUALITY_MARGIN = 5  # a JPEG of at most the pack's quality + this is kept: re-encoding it only adds loss
+
+
+def jpeg_quality(im: Image.Image) -> float | None:
+    """A JPEG's IJG quality (1-100), estimated from its luminance table; None if it has none."""
+    tables = getattr(im, "quantization", None) or {}
+    if 0 not in tables:
+        return None
+    scale = 100.0 * sum(tables[0]) / _STD_LUMINANCE_SUM  # order-free: a sum, zigzag or not
+    return max(1.0, min(100.0, (200.0 - scale) / 2 if scale <= 100 else 5000.0 / scale))
+
+
+def keeps_bytes(data: bytes, size: tuple[int, int], channels: int, quality: int) -> bool:
+    """True when a JPEG file can go into a JPEG pack as it is: already at the pack's size and
+    colour mode, upright (no EXIF rotation), and of no better quality than the pack's (within
+    KEEP_QUALITY_MARGIN). Its bytes are then kept, not decoded and re-encoded (a generation lost)."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format != "JPEG" or im.size != (size[1], size[0]) or im.mode != ("L" if channels == 1 else "RGB"):
+                return False
+            if im.getexif().get(_EXIF_ORIENTATION, 1) != 1 or im.info.get("progressive") or im.info.get("progression"):
+                return False  # rotated on decode; progressive: not every GPU decoder reads it
+            q = jpeg_quality(im)
+            return q is not None and q <= quality + KEEP_QUALITY_MARGIN
+    except Exception:  # noqa: BLE001 - anything unreadable takes the ordinary path, which says why
+        return False
+
+
 def jpeg_decoder_name() -> str:
     return "simplejpeg" if _simplejpeg is not None else "Pillow"
 

@@ -33,12 +33,13 @@ from trainfast.data.format import ENCODINGS, SCHEMA_VERSION, Pack, is_pack, read
 from trainfast.data.sources import Source, from_arrays, open_source
 from trainfast.errors import TrainfastError
 from trainfast.hardware import cache_dir, usable_cores
+from trainfast import units
 
 _JPEG_AUTO_PIXELS = 256 * 256  # auto encoding: raw up to this many pixels per image, jpeg above
 
 
 def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = False,
-         progress: bool = True, **options) -> Pack:
+         progress: bool = True, log=None, **options) -> Pack:
     """Decode and resize every image of `source` once into a pack at `out`.
 
     Args:
@@ -47,7 +48,7 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
         out: the pack's directory. An existing pack is kept if it is up to date, and
             replaced only with overwrite=True; anything else there is refused.
         config: a PackConfig; keyword options (size=(64, 128), encoding="jpeg", ...) override it.
-        progress: show a progress bar and print a summary to stderr.
+        progress: show a progress bar and a summary (on `log`, default print; silent with progress=False).
         path_column, label_column, label_kind, alphabet, split: how to read CSV and CIFAR sources;
             alphabet also for (images, labels) arrays with sequence labels (N, L).
 
@@ -59,7 +60,7 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
     """
     source_options = {k: options.pop(k) for k in ("path_column", "label_column", "label_kind", "alphabet", "split")
                       if k in options}
-    log = (lambda msg: print(msg, file=sys.stderr)) if progress else (lambda msg: None)
+    log = log or (print if progress else (lambda msg: None))
     src = _source(source, source_options)
     cfg = replace(config or PackConfig(), **options)
     cfg = _checked(cfg, src)
@@ -326,7 +327,7 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
 # --- chunks: the parallel part ------------------------------------------------------------
 
 def _run_chunks(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Path, progress: bool) -> None:
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
 
     chunk_dir = build / "chunks"
     todo = [i for i in range(len(chunks)) if not (chunk_dir / f"{i:06d}.json").exists()]
@@ -432,10 +433,16 @@ def _build_chunk(task: dict) -> dict:
     hist = np.zeros(256 * c, np.int64)  # per channel, how many pixels have each value: exact sums, no float copy
     channel = np.arange(c, dtype=np.uint16) * 256
     ok, errors, blobs = [], [], []
+    kept = 0  # JPEG files stored with their own bytes (see decode.keeps_bytes)
     for j in range(n):
         try:
+            raw = None
             if "files" in task:
-                img = _decode.decode_file(_read(task["files"][j]), cfg.size, cfg.resize, c)
+                data = _read(task["files"][j])
+                if images is None and _decode.keeps_bytes(data, cfg.size, c, cfg.quality):
+                    raw, img = data, _decode.decode_jpeg(data, c)  # pixels as the Loader will see them
+                else:
+                    img = _decode.decode_file(data, cfg.size, cfg.resize, c)
             else:
                 img = _decode.decode_array(task["array"][j], cfg.size, cfg.resize, c)
         except _decode.DecodeError as e:
@@ -447,11 +454,12 @@ def _build_chunk(task: dict) -> dict:
         if images is not None:
             images[len(ok)] = img
         else:
-            blobs.append(_decode.encode_jpeg(img, cfg.quality))
+            blobs.append(raw if raw is not None else _decode.encode_jpeg(img, cfg.quality))
+            kept += raw is not None
         ok.append(int(task["positions"][j]))
     hist = hist.reshape(c, 256)
     values = np.arange(256, dtype=np.int64)
-    result = {"n": n, "ok": ok, "errors": errors,
+    result = {"n": n, "ok": ok, "errors": errors, "kept": kept,
               "sum": (hist @ values).tolist(), "sumsq": (hist @ values ** 2).tolist()}
     if errors and cfg.on_error == "fail":
         return result  # nothing is written: the build stops
@@ -544,6 +552,8 @@ def _assemble(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Pat
         "skipped": len(skipped),
         "build": identity,
     }
+    if cfg.encoding == "jpeg":  # JPEG files already at the pack's size and quality keep their own bytes
+        meta["jpeg_kept"] = sum(r.get("kept", 0) for r in results)
     _write_atomic(dest / "inputs.json", json.dumps([src.keys[p] for p in positions]).encode())
     _write_atomic(dest / "skipped.json", json.dumps(skipped, indent=1).encode())
     _write_atomic(dest / "meta.json", json.dumps(meta, indent=1).encode())  # last: it makes this a pack
@@ -566,7 +576,10 @@ def _summarise(pk: Pack, src: Source, seconds: float, log) -> None:
     h, w, c = pk.shape
     size = sum(f.stat().st_size for f in pk.path.iterdir())
     log(f"packed {len(pk)} images ({h}×{w}×{c} {pk.encoding}, {size / 1e6:.1f} MB) into {pk.path} "
-        f"in {seconds:.1f} s ({len(pk) / max(seconds, 1e-9):.0f} images/s)")
+        f"in {seconds:.1f} s ({units.rate(len(pk) / max(seconds, 1e-9))} images/s)")
+    if pk.meta.get("jpeg_kept"):
+        log(f"  {pk.meta['jpeg_kept']} JPEG files were already at {h}×{w} and quality ≤ the pack's: kept as they were "
+            "(not re-encoded)")
     skipped = pk.skipped
     if skipped:
         reasons = Counter(s["reason"].split(" (")[0] for s in skipped)

@@ -219,7 +219,7 @@ def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progres
     workers = workers or usable_cores()
     step = max(50, -(-count // (workers * 8)))
     ranges = [(seed, s, min(s + step, count), str(images_dir)) for s in range(0, count, step)]
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
 
     bar = tqdm(total=count, unit="img", desc="making plates", disable=not progress)
     texts: list[tuple[str, str]] = []

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from trainfast import hardware, models
+from trainfast import hardware, models, units
 from trainfast import step as _step
 from trainfast.config import Speed
 from trainfast.data.format import Pack, is_pack
@@ -32,7 +32,7 @@ from trainfast.data.sources import Source, open_source
 from trainfast.diagnose.cost import ModelCost, layer_costs, measured_findings
 from trainfast.diagnose.storage import read_throughput, storage_sentence
 from trainfast.diagnose.timing import StepTimes, step_breakdown, synthetic_batches, throughput
-from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, roofline, verdict
+from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, cores_sentence, roofline, verdict
 from trainfast.errors import TrainfastError
 
 SCHEMA_VERSION = 1
@@ -56,6 +56,8 @@ class Report:
     other_load: float | None = None  # cores other processes kept busy while the doctor measured
     load_warning: str = ""
     storage: dict | None = None  # files read apart from decoding (StorageRead.to_dict + sentence, bound)
+    fixes_note: str = ""  # "no fix measured ≥ 5% faster (tried: …)" when the trials found none
+    data_side: str = ""  # what prepares the batches: "2 gather threads", "the training process itself, …"
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA_VERSION, "model": self.model, "data": self.data, "system": self.system,
@@ -63,7 +65,8 @@ class Report:
                 "steps": self.times.to_dict(), "roofline": self.roofline.to_dict(),
                 "verdict": self.verdict.to_dict(),
                 "recommendations": [r.to_dict() for r in self.recommendations], "seconds": self.seconds,
-                "other_load_cores": self.other_load, "load_warning": self.load_warning, "storage": self.storage}
+                "other_load_cores": self.other_load, "load_warning": self.load_warning, "storage": self.storage,
+                "fixes_note": self.fixes_note, "cores": cores_sentence(self)}
 
     def text(self) -> str:
         from trainfast.diagnose.report import render_text
@@ -72,6 +75,15 @@ class Report:
     def html(self) -> str:
         from trainfast.diagnose.report import render_html
         return render_html(self)
+
+    def _repr_html_(self) -> str:  # a notebook shows the advice and the charts, not the dataclass
+        from trainfast.diagnose.report import render_fragment
+        return render_fragment(self)
+
+    def __repr__(self) -> str:
+        fixes = f"{len(self.recommendations)} fixes" if self.recommendations else (self.fixes_note or "no fixes tried")
+        return (f"<doctor report: {self.model}, batch {self.times.batch_size}: {self.verdict.sentence} "
+                f"{units.rate(self.times.images_per_s)} images/s; {fixes}; print(report.text()) for all of it>")
 
 
 def load_model(spec) -> tuple[nn.Module, str]:
@@ -82,15 +94,24 @@ def load_model(spec) -> tuple[nn.Module, str]:
         raise TrainfastError(str(e)) from None
 
 
-def _input_shape(model: nn.Module, data) -> tuple:
+def _input_shape(model: nn.Module, data) -> tuple[tuple, int | None]:
+    """(C, H, W) the model is fed, and the batch size an iterable of batches brings (None for packs/files)."""
     shape = getattr(model, "input_shape", None)
-    if shape is not None:
-        return tuple(shape)
     if isinstance(data, Pack):
         h, w, c = data.shape
-        return (c, h, w)
-    x, _ = next(iter(data))
-    return tuple(x.shape[1:])
+        return tuple(shape or (c, h, w)), None
+    if isinstance(data, Loader):
+        h, w, c = data.pack.shape
+        return tuple(shape or (c, h, w)), data.batch_size
+    if shape is not None and getattr(data, "batch_size", None):
+        return tuple(shape), int(data.batch_size)
+    try:
+        x, _ = next(iter(data))
+    except (TypeError, ValueError, StopIteration) as e:
+        raise TrainfastError(f"data must yield (images, labels) batches; its first item could not be read as one "
+                             f"({type(e).__name__}: {e})") from None
+    batch = getattr(data, "batch_size", None) or len(x)
+    return tuple(shape or x.shape[1:]), int(batch)
 
 
 def _resolve_data(data, model, batch_size: int, device, seed: int, source_options: dict | None = None):
@@ -111,6 +132,8 @@ def _resolve_data(data, model, batch_size: int, device, seed: int, source_option
     if isinstance(data, Pack):
         loader = Loader(data, batch_size, device=device, seed=seed)
         return loader, f"pack {data.path} ({loader.describe()})", None, data
+    if isinstance(data, Loader):  # the user's own Loader: its batch, its pack for the fixes
+        return data, f"pack {data.pack.path} ({data.describe()})", None, data.pack
     if isinstance(data, PerImageBatches):
         return data, (f"{data.source.kind} {data.source.origin} ({len(data.source)} files, decoded per image "
                       f"per batch with {data.reader})"), data.source, None
@@ -121,7 +144,7 @@ def _resolve_data(data, model, batch_size: int, device, seed: int, source_option
 
 def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 3, device=None,
            speed: Speed | None = None, try_fixes: bool = True, remeasure: bool = False,
-           seed: int = 0, source_options: dict | None = None, log=None) -> Report:
+           seed: int = 0, source_options: dict | None = None, progress: bool = True, log=None) -> Report:
     """Diagnose training `model` on `data`: measure, explain, and try the fixes.
 
     Args:
@@ -135,20 +158,23 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
         try_fixes: re-run a few steps with each candidate fix to measure its gain.
         source_options: for a CSV given by its path: path_column, label_column, label_kind
             and alphabet, as `trainfast.pack` takes them (e.g. {"label_column": "plate"}).
+        progress: progress bars (steps timed, with an estimate of the time left) and a line
+            per phase on `log` (default: print; silent with progress=False).
     """
     started = time.perf_counter()
-    log = log or (lambda msg: None)
+    log = log or (print if progress else (lambda msg: None))
     try:
         dev = hardware.resolve_device(device)
     except ValueError as e:
         raise TrainfastError(str(e)) from None
     net, name = load_model(model)
-    speed = replace(speed or Speed(), batch_size=batch_size)
-    reason = _step.check(speed, dev)
+    reason = _step.check(replace(speed or Speed(), batch_size=batch_size), dev)
     if reason:
         raise TrainfastError(reason)
     batches, described, src, pk = _resolve_data(data, net, batch_size, dev, seed, source_options)
-    shape = _input_shape(net, pk if pk is not None else batches)
+    shape, own_batch = _input_shape(net, pk if pk is not None and batches is not data else batches)
+    batch_size = own_batch or batch_size  # an iterable of batches brings its own: the header and fixes use it
+    speed = replace(speed or Speed(), batch_size=batch_size)
     if pk is not None and tuple(shape) != (pk.shape[2], pk.shape[0], pk.shape[1]):
         h, w, c = pk.shape
         raise TrainfastError(f"the pack holds {c}×{h}×{w} images but the model takes {'×'.join(map(str, shape))}")
@@ -165,15 +191,19 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
         cost.findings = measured_findings(copy.deepcopy(net).cpu().float(), x.cpu().float())[0] + cost.findings
     log(f"timing {steps} training steps on {described}…")
     with hardware.OtherLoad() as load:
-        times = step_breakdown(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=warmup)
-        if dev.type == "cuda":  # per-step synchronisation hides the overlap training has
-            try:
-                times.steady = throughput(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=2)
-            except TrainfastError:  # one-shot data, used up by the breakdown
-                pass
+        with _bar(progress, warmup + steps + (steps + 2 if dev.type == "cuda" else 0), "timing steps") as bar:
+            times = step_breakdown(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps, warmup=warmup,
+                                   on_step=bar.update)
+            if dev.type == "cuda":  # per-step synchronisation hides the overlap training has
+                try:
+                    times.steady = throughput(copy.deepcopy(net), batches, device=dev, speed=speed, steps=steps,
+                                              warmup=2, on_step=bar.update)
+                except TrainfastError:  # one-shot data, used up by the breakdown
+                    pass
         roof = roofline(cost, times, peaks, speed.precision)
         found = verdict(times, roof)
-        report = Report(name, described, hardware.describe(dev), peaks, cost, speed, times, roof, found)
+        report = Report(name, described, hardware.describe(dev), peaks, cost, speed, times, roof, found,
+                        data_side=_data_side(batches))
         if src is not None and src.files:
             log("reading a sample of the files apart from decoding (storage throughput)…")
             read = read_throughput(src.files)
@@ -182,19 +212,45 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
                 report.storage = {**read.to_dict(), "sentence": sentence, "storage_bound": bound}
         if try_fixes:
             log("trying the fixes on the spot…")
-            report.recommendations = _recommendations(net, report, dev, src, pk, log)
+            with _bar(progress, _TRIAL_STEPS, "trying fixes") as bar:
+                report.recommendations = _recommendations(net, report, dev, src, pk, log, bar)
     report.other_load, report.load_warning = load.cores, load.warning()
     report.seconds = time.perf_counter() - started
     return report
 
 
+def _data_side(batches) -> str:
+    """What prepares the batches, in words, for the cores sentence."""
+    if isinstance(batches, Loader):
+        what = "decode" if batches.pack.encoding == "jpeg" and not batches.decodes_on_device else "gather"
+        return f"{batches.workers} {what} threads (a pack)" + (", resident on the device" if batches.resident else "")
+    if isinstance(batches, PerImageBatches):
+        return "the training process itself, one image at a time (decode + resize per image, every batch)"
+    workers = getattr(batches, "num_workers", None)  # a torch DataLoader
+    if workers:
+        return f"{workers} DataLoader worker processes"
+    if workers == 0:
+        return "the training process itself (DataLoader num_workers=0)"
+    return f"the training process itself, as far as the doctor can see (a {type(batches).__name__})"
+
+
 # --- recommendations: try each fix for a few steps ---------------------------------------------
 
-def _compute_rate(net, shape, out_shape, speed: Speed, dev) -> float | None:
+_TRIAL_STEPS = 8  # steps of each fix's trial: 2 warm-up, 6 timed
+
+
+def _bar(progress: bool, total: int, desc: str):
+    """A progress bar (a widget in a notebook, a line on stderr in a terminal) that vanishes when done."""
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="step", disable=not progress, leave=False)
+
+
+def _compute_rate(net, shape, out_shape, speed: Speed, dev, on_step=None) -> float | None:
     """images/s of the compute side alone (batches already on the device), or None on failure."""
     data = synthetic_batches(shape, out_shape, speed.batch_size, dev)
     try:
-        return throughput(copy.deepcopy(net), data, device=dev, speed=speed, steps=6, warmup=2)
+        return throughput(copy.deepcopy(net), data, device=dev, speed=speed, steps=_TRIAL_STEPS - 2, warmup=2,
+                          on_step=on_step)
     except (RuntimeError, torch.cuda.OutOfMemoryError):
         return None
 
@@ -207,7 +263,7 @@ def _output_shape(net, shape, dev) -> tuple:
         return tuple(copy.deepcopy(net).eval()(torch.zeros((1, *shape))).shape[1:])
 
 
-def _recommendations(net, report: Report, dev, src, pk, log) -> list[Recommendation]:
+def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recommendation]:
     recs: list[Recommendation] = []
     t, speed = report.times, report.speed
     shape = report.cost.input_shape
@@ -240,7 +296,7 @@ def _recommendations(net, report: Report, dev, src, pk, log) -> list[Recommendat
                 f"estimate: the step without its {t.data * 1e3:.0f} ms data wait"))
 
     # 2. the compute side: precision, memory format, batch size, threads
-    base = _compute_rate(net, shape, out_shape, speed, dev)
+    base = _compute_rate(net, shape, out_shape, speed, dev, bar.update)
     if base:
         candidates = []
         if _step.supports_bf16(dev) and speed.precision == "fp32":
@@ -264,15 +320,17 @@ def _recommendations(net, report: Report, dev, src, pk, log) -> list[Recommendat
         if dev.type == "cpu" and torch.get_num_threads() < cores:
             candidates.append((replace(speed, threads=cores), f"{cores} intra-op threads",
                                f"torch.set_num_threads({cores})"))
+        bar.total += _TRIAL_STEPS * len(candidates)
+        bar.refresh()
         for cand, title, action in candidates:
             log(f"  trying {title}…")
-            rate = _compute_rate(net, shape, out_shape, cand, dev)
+            rate = _compute_rate(net, shape, out_shape, cand, dev, bar.update)
             if rate is None:
                 continue
             gain = rate / base
             new_step = t.data + compute_step / gain
             recs.append(Recommendation(title, action + f"\ntrainfast train … {_train_flags(cand)}", t.step / new_step, True,
-                                       f"compute side {base:.0f} → {rate:.0f} images/s"))
+                                       f"compute side {units.rate(base)} → {units.rate(rate)} images/s"))
         torch.set_num_threads(report.system["torch_threads"])
 
     # 3. the device itself
@@ -283,8 +341,11 @@ def _recommendations(net, report: Report, dev, src, pk, log) -> list[Recommendat
     elif dev.type == "cpu" and info["nvidia_gpu_present"] and info["torch_cuda_build"] is None:
         recs.append(Recommendation("Install a CUDA build of torch", "pip install torch (a CUDA build)", 0.0, False,
                                    "an NVIDIA GPU is present, but this torch is a CPU-only build"))
-    recs = [r for r in recs if r.speedup == 0.0 or r.speedup >= 1.05]
-    return sorted(recs, key=lambda r: -r.speedup)
+    kept = [r for r in recs if r.speedup == 0.0 or r.speedup >= 1.05]
+    if not any(r.measured for r in kept):
+        tried = ", ".join(f"{r.title} ×{r.speedup:.2f}" for r in recs if r.measured)
+        report.fixes_note = "no fix measured ≥ 5% faster" + (f" (tried: {tried})" if tried else "")
+    return sorted(kept, key=lambda r: -r.speedup)
 
 
 def _train_flags(s: Speed) -> str:

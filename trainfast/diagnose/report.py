@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import html
 import io
+import textwrap
 
+from trainfast import units
 from trainfast.diagnose.timing import STAGES
+from trainfast.diagnose.verdict import cores_sentence
 
 _STAGE_NAMES = {"data": "data wait", "copy": "host→device", "forward": "forward", "backward": "backward",
                 "optimizer": "optimizer", "other": "other"}
@@ -27,14 +30,14 @@ def _shape(s) -> str:
 def render_text(r) -> str:
     t, roof, cost = r.times, r.roofline, r.cost
     lines = [f"trainfast doctor — {r.model} on {r.data}",
-             f"batch {t.batch_size}, {r.speed.label()}, device {r.system['device']}, {t.steps} timed steps", ""]
+             f"{r.speed.label()}, device {r.system['device']}, {t.steps} timed steps", ""]
     lines.append(f"VERDICT  {r.verdict.sentence}")
     if r.load_warning:
         lines.append(f"WARNING  {r.load_warning}")
     compute_rate = t.images_per_s * t.step / max(t.step - t.data, 1e-12)  # the same rate without the data wait
     how = " (steps back to back; the stage times below synchronise every step)" if t.steady else ""
-    lines.append(f"         {t.images_per_s:,.0f} images/s now{how}; the compute side alone runs at "
-                 f"{compute_rate:,.0f} images/s")
+    lines.append(f"         {units.rate(t.images_per_s)} images/s now{how}; the compute side alone runs at "
+                 f"{units.rate(compute_rate)} images/s")
     lines.append(f"         roofline {roof.bound_s * 1e3:.3f} ms/image vs {roof.measured_s * 1e3:.3f} ms measured "
                  f"({roof.share_of_peak:.1%} of the {roof.dtype} peak)")
     if r.storage:
@@ -44,8 +47,10 @@ def render_text(r) -> str:
         v, share = getattr(t, s), t.share(s)
         lines.append(f"  {_STAGE_NAMES[s]:12s} {'█' * round(share * 40):40s} {v * 1e3:9.1f} ms {share:5.0%}")
     lines.append(f"  {'step':12s} {'':40s} {t.step * 1e3:9.1f} ms")
-    if r.recommendations:
+    if r.recommendations or r.fixes_note:
         lines += ["", "What to do, ranked by expected gain"]
+        if r.fixes_note:
+            lines.append(f"  {r.fixes_note}")
         for i, rec in enumerate(r.recommendations, 1):
             gain = f"×{rec.speedup:.2f} {'measured' if rec.measured else 'estimate'}" if rec.speedup else "—"
             lines.append(f"  {i}. {rec.title}  [{gain}]")
@@ -60,6 +65,7 @@ def render_text(r) -> str:
     lines.append(f"  device in use {s['device']}; GPUs: {gpus}; torch {s['torch']}")
     lines.append(f"  CPU {s['cpu']}: {s['physical_cores']} physical cores, torch uses {s['torch_threads']} threads; "
                  f"ISA {' '.join(s['isa']) or '—'}")
+    lines += [f"  {part}" for part in textwrap.wrap(f"Cores: {cores_sentence(r)}", 100)]
     peak_txt = ", ".join(f"{_si(v, 'FLOP/s')} {k}" for k, v in p["matmul_flops"].items())
     if "bfloat16" not in p["matmul_flops"]:
         peak_txt += " (bf16 is emulated here, slower than fp32: " + (
@@ -91,26 +97,29 @@ def _svg(fig) -> str:
     return text[text.index("<svg"):]
 
 
-def step_chart(r) -> str:
+def stages_chart(parts: list[tuple[str, float]]) -> str:
+    """One stacked bar of (stage, ms per step), as inline SVG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = r.times
     fig, ax = plt.subplots(figsize=(8, 1.8))
     left = 0.0
     colours = ["#d62728", "#9467bd", "#1f77b4", "#2ca02c", "#ff7f0e", "#7f7f7f"]
-    for s, c in zip(STAGES, colours):
-        v = getattr(t, s) * 1e3
-        ax.barh([0], [v], left=left, color=c, label=f"{_STAGE_NAMES[s]} {v:.1f} ms")
-        left += v
+    for (name, ms), c in zip(parts, colours):
+        ax.barh([0], [ms], left=left, color=c, label=f"{name} {ms:.3g} ms")
+        left += ms
     ax.set_yticks([])
-    ax.set_xlabel("ms per step (median)")
+    ax.set_xlabel("ms per step")
     ax.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45), frameon=False)
     ax.set_title("Where each training step's time goes")
     svg = _svg(fig)
     plt.close(fig)
     return svg
+
+
+def step_chart(r) -> str:
+    return stages_chart([(_STAGE_NAMES[s], getattr(r.times, s) * 1e3) for s in STAGES])
 
 
 def layer_chart(r) -> str:
@@ -119,7 +128,7 @@ def layer_chart(r) -> str:
     import matplotlib.pyplot as plt
 
     layers = [l for l in r.cost.layers if l.params or l.flops]
-    names = [f"{l.name} ({l.kind})" for l in layers]
+    names = [f"{l.name} ({l.kind})".replace("$", r"\$") for l in layers]  # NOTE: '$…$' would be mathtext
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.3 * len(layers) + 1.2), sharey=True)
     axes[0].barh(names, [l.flops / 1e6 for l in layers], color="#1f77b4")
     axes[0].set_xlabel("forward MFLOPs per image")
@@ -132,16 +141,74 @@ def layer_chart(r) -> str:
     return svg
 
 
-def render_html(r) -> str:
-    body = html.escape(render_text(r))
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>trainfast doctor — {html.escape(r.model)}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em}}
-pre{{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:13px}} h1{{font-size:1.4em}}
-.verdict{{font-size:1.2em;padding:.6em;background:#fff3cd;border-left:4px solid #e0a800}}</style></head>
-<body><h1>trainfast doctor — {html.escape(r.model)} on {html.escape(r.data)}</h1>
-<p class="verdict">{html.escape(r.verdict.sentence)}</p>
-<h2>Step-time breakdown</h2><div id="step-breakdown">{step_chart(r)}</div>
-<h2>Per-layer cost</h2><div id="layer-cost">{layer_chart(r)}</div>
-<h2>Full report</h2><pre>{body}</pre></body></html>
+REPORT_CSS = """
+.tf-report{font-family:system-ui,sans-serif;max-width:1000px;line-height:1.45;overflow-wrap:anywhere}
+.tf-report h1{font-size:1.35em;margin:.2em 0}.tf-report h2{font-size:1.1em;margin:1.2em 0 .4em}
+.tf-report .verdict{font-size:1.15em;padding:.6em .8em;background:#fff3cd;border-left:4px solid #e0a800;margin:.6em 0}
+.tf-report .warning{padding:.5em .8em;background:#fde2e1;border-left:4px solid #c0392b;margin:.6em 0}
+.tf-report .gain{display:inline-block;min-width:6.5em;font-weight:600;color:#1a7f37}
+.tf-report ol li{margin:.5em 0}.tf-report .evidence{color:#555}
+.tf-report pre,.tf-report code.block{display:block;white-space:pre-wrap;background:#f6f6f6;padding:.5em .7em;
+ font-size:13px;margin:.3em 0}
+.tf-report svg{max-width:100%;height:auto}
+.tf-report details pre{white-space:pre-wrap}
 """
+
+
+def advice_html(r) -> str:
+    """The verdict, warnings, 'What to do' and the findings as HTML text: what a reader acts on."""
+    e = html.escape
+    t = r.times
+    compute_rate = t.images_per_s * t.step / max(t.step - t.data, 1e-12)
+    parts = [f'<p class="verdict">{e(r.verdict.sentence)}</p>']
+    if r.load_warning:
+        parts.append(f'<p class="warning"><b>Busy machine:</b> {e(r.load_warning)}</p>')
+    parts.append(f"<p>{e(units.rate(t.images_per_s))} images/s now; the compute side alone runs at "
+                 f"{e(units.rate(compute_rate))} images/s (batch {t.batch_size}, {e(r.speed.label())}, "
+                 f"{e(r.system['device'])}).</p>")
+    if r.storage:
+        parts.append(f"<p><b>Storage:</b> {e(r.storage['sentence'])}</p>")
+    parts.append("<h2>What to do</h2>")
+    if r.fixes_note:
+        parts.append(f"<p>{e(r.fixes_note)}.</p>")
+    if r.recommendations:
+        items = []
+        for rec in r.recommendations:
+            gain = f"×{rec.speedup:.2f} {'measured' if rec.measured else 'estimate'}" if rec.speedup else ""
+            items.append(f'<li><span class="gain">{e(gain)}</span> <b>{e(rec.title)}</b>'
+                         + (f'<div class="evidence">{e(rec.evidence)}</div>' if rec.evidence else "")
+                         + f'<code class="block">{e(rec.action)}</code></li>')
+        parts.append("<ol>" + "".join(items) + "</ol>")
+    elif not r.fixes_note:
+        parts.append("<p>No fixes were tried (try_fixes=False).</p>")
+    parts.append(f"<h2>Cores</h2><p>{e(cores_sentence(r))}</p>")
+    if r.cost.findings:
+        parts.append("<h2>Findings about the model</h2><ul>"
+                     + "".join(f"<li>{e(f)}</li>" for f in r.cost.findings) + "</ul>")
+    return "".join(parts)
+
+
+def render_fragment(r, charts: bool = True) -> str:
+    """The report as one self-styled <div>: a notebook's cell output, and the body of the HTML file."""
+    e = html.escape
+    body = [f'<div class="tf-report"><style>{REPORT_CSS}</style>',
+            f"<h1>trainfast doctor — {e(r.model)} on {e(r.data)}</h1>", advice_html(r)]
+    if charts:
+        body.append(f'<h2>Step-time breakdown</h2><div id="step-breakdown">{step_chart(r)}</div>'
+                    f'<h2>Per-layer cost</h2><div id="layer-cost">{layer_chart(r)}</div>')
+    body.append(f"<details><summary>Full report (text)</summary><pre>{e(render_text(r))}</pre></details></div>")
+    return "".join(body)
+
+
+def page(title: str, body: str) -> str:
+    """A self-contained HTML page in the reports' style (a body already rendered as a .tf-report div
+    is used as is)."""
+    if not body.startswith('<div class="tf-report">'):
+        body = f'<div class="tf-report"><style>{REPORT_CSS}</style><h1>{html.escape(title)}</h1>{body}</div>'
+    return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
+            f'content="width=device-width"><title>{html.escape(title)}</title></head>'
+            f'<body style="margin:2em auto;padding:0 1em;max-width:1000px">{body}</body></html>\n')
+
+
+def render_html(r) -> str:
+    return page(f"trainfast doctor — {r.model}", render_fragment(r))

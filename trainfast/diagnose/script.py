@@ -17,6 +17,7 @@ the script by raising an exception that `except Exception` does not catch, and r
 
 from __future__ import annotations
 
+import html
 import importlib.abc
 import importlib.util
 import os
@@ -45,6 +46,7 @@ from trainfast.diagnose.probes import (
 )
 from trainfast.diagnose.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUND
 from trainfast.errors import TrainfastError
+from trainfast import units
 
 SCHEMA_VERSION = 1
 
@@ -114,11 +116,7 @@ class ScriptReport:
         return render_text(self)
 
     def html(self) -> str:
-        import html
-        return (f"<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>trainfast doctor — "
-                f"{html.escape(' '.join(self.command))}</title></head><body style=\"font-family:system-ui;"
-                f"max-width:1000px;margin:2em auto\"><h1>trainfast doctor</h1><p><b>{html.escape(self.verdict)}"
-                f"</b></p><pre>{html.escape(self.text())}</pre></body></html>\n")
+        return render_html(self)
 
 
 # -- running --------------------------------------------------------------------------------
@@ -324,6 +322,32 @@ def _si(x: float) -> str:
     return f"{x:.0f} "
 
 
+def stage_parts(r: ScriptReport) -> list[tuple[str, float]]:
+    """(stage, mean seconds per step) as far as the script's framework lets them be told apart."""
+    parts = [("data wait", r.mean("data"))]
+    if r.framework == "pytorch":
+        parts += [("backward", r.mean("backward")), ("optimizer", r.mean("optimizer"))]
+    rest = "forward+rest" if r.framework == "pytorch" else "train step"
+    return parts + [(rest, max(r.mean("seconds") - sum(v for _, v in parts), 0.0))]
+
+
+def render_html(r: ScriptReport) -> str:
+    """The verdict and findings as HTML text, the step chart, then the full text report."""
+    from trainfast.diagnose.report import page, stages_chart
+    e = html.escape
+    body = [f'<p class="verdict">{e(r.verdict)}</p>']
+    if r.findings:
+        body.append("<h2>What to do</h2><ul>" + "".join(f"<li>{e(f)}</li>" for f in r.findings) + "</ul>")
+    if r.data_functions:
+        body.append("<h2>Where the data time goes</h2><ul>"
+                    + "".join(f"<li>{share:.0%} {e(name)}</li>" for name, share in r.data_functions) + "</ul>")
+    if r.timed:
+        body.append(f'<h2>Step-time breakdown</h2><div id="step-breakdown">'
+                    f'{stages_chart([(n, v * 1e3) for n, v in stage_parts(r)])}</div>')
+    body.append(f"<details><summary>Full report (text)</summary><pre>{e(render_text(r))}</pre></details>")
+    return page(f"trainfast doctor — {' '.join(r.command)}", "".join(body))
+
+
 def render_text(r: ScriptReport) -> str:
     lines = [f"trainfast doctor — {' '.join(r.command)}",
              f"{r.framework if r.framework != 'none' else 'no training steps seen'}; {r.stopped}; "
@@ -332,17 +356,10 @@ def render_text(r: ScriptReport) -> str:
     if r.timed:
         step = r.mean("seconds")
         bs = Counter(s.batch_size for s in r.timed).most_common(1)[0][0]  # not the epoch's short last batch
-        rate = f"; {bs / step:,.0f} images/s at batch {bs}" if bs else ""
+        rate = f"; {units.rate(bs / step)} images/s at batch {bs}" if bs else ""
         lines.append(f"         {step * 1e3:,.1f} ms per step{rate}")
         lines += ["", "Where the time goes (mean per step)"]
-        parts = [("data wait", r.mean("data"))]
-        if r.framework == "pytorch":
-            parts += [("backward", r.mean("backward")), ("optimizer", r.mean("optimizer"))]
-            rest = "forward+rest"
-        else:
-            rest = "train step"
-        parts.append((rest, max(step - sum(v for _, v in parts), 0.0)))
-        for name, v in parts:
+        for name, v in stage_parts(r):
             share = v / step if step else 0.0
             lines.append(f"  {name:12s} {'█' * round(share * 40):40s} {v * 1e3:9.1f} ms {share:5.0%}")
     if r.data_source or r.batches_drawn:

@@ -15,6 +15,8 @@ import re
 import time
 from dataclasses import asdict, dataclass
 
+from trainfast import units
+
 STORAGE_BOUND = 0.5  # the storage is "the bottleneck" when reading takes this share of the data time
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "glusterfs", "lustre", "beegfs", "gpfs",
               "davfs", "fuse.sshfs", "fuse.rclone", "fuse.s3fs", "fuse.gcsfuse", "fuse.blobfuse", "fuse.goofys",
@@ -113,7 +115,7 @@ def storage_sentence(read: StorageRead, data_s_per_image: float) -> tuple[str, b
     how = "cold" if read.cold else "possibly cached"
     if read.fs:
         how += f"; {read.fs} at {read.mount}" + (", a network file system" if read.fs in NETWORK_FS else "")
-    text = (f"reading the files alone ({how}): {read.files_per_s:,.0f} files/s, {read.mb_per_s:,.1f} MB/s, "
+    text = (f"reading the files alone ({how}): {units.rate(read.files_per_s)} files/s, {read.mb_per_s:,.1f} MB/s, "
             f"{per_file * 1e3:.2f} ms per file = {min(share, 1):.0%} of the data time per image")
     if bound:
         text += "; the storage is the bottleneck: write the pack to a local disk"

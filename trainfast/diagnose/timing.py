@@ -93,12 +93,13 @@ def _batches(data, need: int):
 
 
 def step_breakdown(model: torch.nn.Module, data, *, device: torch.device, speed: Speed | None = None,
-                   steps: int = 30, warmup: int = 5, optimizer=None, lr: float = 0.01) -> StepTimes:
+                   steps: int = 30, warmup: int = 5, optimizer=None, lr: float = 0.01, on_step=None) -> StepTimes:
     """Run warmup + steps training steps of `model` on batches from `data`; time each stage.
 
     `data` is any iterable of (images, labels): a trainfast Loader, a DataLoader, a
     generator, or a Sequence-like object. The model is trained by these steps (SGD unless
-    an optimizer is given): pass a copy if its weights matter.
+    an optimizer is given): pass a copy if its weights matter. `on_step()` is called after each
+    step (a progress bar's update), outside the timed stages.
     """
     speed = speed or Speed()
     model = _step.prepare(model, speed, device)
@@ -130,6 +131,8 @@ def step_breakdown(model: torch.nn.Module, data, *, device: torch.device, speed:
                       clock.seconds(m2, m3), clock.seconds(m3, m4)]
             rows.append(stages + [max(wall - sum(stages), 0.0), wall])
             losses.append(value)
+        if on_step is not None:
+            on_step()
         t_prev = host()
     mean = [statistics.fmean(col) for col in zip(*rows)]
     return StepTimes(steps, batch, *mean, loss=statistics.median(losses))
@@ -137,7 +140,7 @@ def step_breakdown(model: torch.nn.Module, data, *, device: torch.device, speed:
 
 def throughput(model: torch.nn.Module, data, *, device: torch.device, speed: Speed | None = None,
                steps: int = 30, warmup: int = 3, optimizer=None, lr: float = 0.01,
-               clock=time.perf_counter) -> float:
+               clock=time.perf_counter, on_step=None) -> float:
     """images/s of `steps` training steps issued back to back, after `warmup` of them.
 
     The device is synchronised once after the warm-up and once at the end, never in between,
@@ -161,6 +164,8 @@ def throughput(model: torch.nn.Module, data, *, device: torch.device, speed: Spe
         _step.optimizer_step(opt, scaler)
         if i >= warmup:
             images += len(x)
+        if on_step is not None:  # a host-side counter: it does not synchronise the device
+            on_step()
     sync()
     return images / max(clock() - started, 1e-9)
 

@@ -93,3 +93,32 @@ class Recommendation:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def cores_sentence(r) -> str:
+    """The CIFAR story's question, "how do I use all my cores?", answered from the report's own
+    measurements: the cores there are, the ones the step and the data side use, and what more
+    would buy (a step that waits for data gains nothing from faster compute)."""
+    s, t = r.system, r.times
+    cores, threads = s["physical_cores"], s["torch_threads"]
+    usable = s.get("usable_cores", cores)
+    have = f"This machine has {cores} physical cores" + (f" ({usable} usable by this process)" if usable != cores else "")
+    busy = f"; other programs kept {r.other_load:.1f} of them busy" if r.other_load and r.other_load >= 0.3 else ""
+    side = r.data_side or "the training process itself"
+    data, compute = t.share("data"), 1 - t.share("data")
+    if s["device"].startswith("cuda"):
+        return (f"{have}{busy}. The model runs on the GPU; the CPU's cores feed it: the data side runs on {side}, "
+                f"and waits take {data:.0%} of each step.")
+    uses = f"the training step runs on torch's {threads} threads, the data side on {side}"
+    if data >= 0.5:
+        more = (f"{data:.0%} of each step waits for data, so more cores for the model buy little: the data side is "
+                "the lever (What to do)")
+    elif threads < cores:
+        more = (f"torch uses {threads} of the {cores} cores: torch.set_num_threads({cores}) (--threads {cores}) "
+                "puts the rest to work on the step")
+    else:
+        twice = 1 / (data + compute / 2)
+        more = (f"the step already uses every core; twice as many would make a step at most {twice:.2g}× faster "
+                f"(its compute side is {compute:.0%} of it, if it scaled perfectly): beyond that, a GPU, or the "
+                "settings above")
+    return f"{have}{busy}; {uses}. {more[0].upper()}{more[1:]}."

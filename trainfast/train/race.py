@@ -26,6 +26,7 @@ import torch
 from trainfast import hardware
 from trainfast import step as _step
 from trainfast.config import Speed
+from trainfast import units
 
 RACE_GAIN = 1.1  # race only when the fastest batch runs this much faster than the smallest one raced
 RACE_SHARE = 0.05  # all laps together: at most this share of the planned training time
@@ -151,7 +152,7 @@ def table(laps: list[Lap], chosen: Speed, seconds: float, probe_images: int, cac
     for lap in laps:
         loss = f"{lap.loss:7.4f}" if lap.loss is not None else f"{'—':>7s}"
         mark = "  ← chosen" if lap.speed.label() == chosen.label() else ""
-        lines.append(f"      {lap.speed.label():{w}s} {lap.images_per_s:9,.0f} {lap.lap_images_per_s:9,.0f} "
+        lines.append(f"      {lap.speed.label():{w}s} {units.rate(lap.images_per_s):>9s} {units.rate(lap.lap_images_per_s):>9s} "
                      f"{lap.steps:6d} {lap.lr:8.2g} {loss}{mark}")
     return "\n".join(lines)
 

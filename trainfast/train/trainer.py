@@ -34,6 +34,7 @@ from trainfast.errors import TrainfastError
 from trainfast.train import checkpoint, distributed, lr_range
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
 from trainfast.tuning import MIN_STEPS_PER_EPOCH, data_max_batch  # noqa: F401 - fit's data bound, kept importable here
+from trainfast import units
 
 
 # Steps between reads of the loss off the device (see _Watch). On a CPU a read costs nothing.
@@ -47,6 +48,14 @@ class FitResult:
     best: float  # best validation accuracy (per character for sequences)
     speed: Speed
     stopped: str  # "finished", "early-stopped"
+
+    def __repr__(self) -> str:  # what a notebook cell shows: the outcome, not every epoch's dict
+        last = self.history[-1] if self.history else {}
+        acc = f", best held-out accuracy {self.best:.1%}" if self.best >= 0 else ""
+        tail = (f"; last epoch: train loss {last['train_loss']:.4g}, {units.rate(last['images_per_s'])} images/s"
+                if last else "")
+        return (f"FitResult({len(self.history)} epochs, {self.stopped}{acc}{tail}; {self.speed.label()}; "
+                f"run dir {self.run_dir})")
 
 
 def _model_and_name(model) -> tuple[torch.nn.Module, str]:
@@ -335,7 +344,7 @@ class _Run:
 
     def train_epoch(self, epoch: int, interrupts: _Interrupts, progress: bool) -> dict:
         """The steps of `epoch` from where the loader stands; the epoch's training row."""
-        from tqdm import tqdm
+        from tqdm.auto import tqdm
 
         state, loader, speed, cfg = self.state, self.loader, self.speed, self.cfg
         if loader.position == 0:
@@ -358,7 +367,7 @@ class _Run:
                 self.check(epoch)
             if state["step"] % self.watch.every == 0 or bar.n == steps:
                 rate = (bar.n - done_before) * speed.batch_size * self.world.size / (time.perf_counter() - started)
-                bar.set_postfix_str(f"loss {self.watch.loss:.3f}, {rate:,.0f} img/s", refresh=False)
+                bar.set_postfix_str(f"loss {self.watch.loss:.3f}, {units.rate(rate)} img/s", refresh=False)
         self.check(epoch)
         bar.close()
         images = (steps - done_before) * speed.batch_size * self.world.size
@@ -424,7 +433,7 @@ def _epoch_line(row: dict, sequence: bool) -> str:
     extra = f", val loss {row['val_loss']:.4f}, val acc {row['val_acc']:.2%}" if "val_loss" in row else ""
     if "val_loss" in row and sequence:
         extra += f", whole sequences {row['val_seq_acc']:.2%}"
-    return (f"epoch {row['epoch'] + 1}: train loss {row['train_loss']:.4f}{extra}, {row['images_per_s']:,.0f} img/s, "
+    return (f"epoch {row['epoch'] + 1}: train loss {row['train_loss']:.4f}{extra}, {units.rate(row['images_per_s'])} img/s, "
             f"{row['seconds']:.1f} s")
 
 

@@ -1,0 +1,54 @@
+"""The Python API in a Jupyter kernel, as notebook users call it: pack, doctor, fit and tune on
+numpy arrays, executed with nbclient. Outputs are checked by stream and MIME type."""
+
+import json
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+CELLS = [
+    """import numpy as np, torch, trainfast
+from trainfast.datasets.digits import load_digits
+x, y, _ = load_digits(32)
+x, y = x[:600], y[:600]
+x.shape, y.shape""",
+    """pk = trainfast.pack((x, y), "nb.pack")
+pk""",
+    """report = trainfast.doctor("cifar_cnn", pk, device="cpu", steps=4, warmup=1)
+report""",
+    """result = trainfast.fit("cifar_cnn", pk, epochs=1, device="cpu", run_dir="run")
+result""",
+    """net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(10))
+trainfast.tune(net, pk, device="cpu", max_seconds=6, try_compile=False)""",
+]
+
+
+@pytest.mark.slow
+def test_a_notebook_renders_and_writes_nothing_to_stderr_but_progress(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outs = [cell.outputs for cell in nb.cells]
+    stderr = [o["text"] for cell in outs for o in cell if o.get("name") == "stderr"]
+    assert stderr == [], stderr  # progress is a widget in a notebook; messages are stdout
+    errors = [o for cell in outs for o in cell if o["output_type"] == "error"]
+    assert errors == [], errors
+
+    def result(i):
+        return next(o for o in outs[i] if o["output_type"] == "execute_result")["data"]
+
+    assert "32×32×3" in result(1)["text/plain"]  # the arrays' own size, not 64×128
+    doctor = result(2)
+    assert "text/html" in doctor and "<h2>What to do</h2>" in doctor["text/html"] and "<svg" in doctor["text/html"]
+    assert doctor["text/html"].index("What to do") < doctor["text/html"].index("<svg")  # advice above the charts
+    assert len(doctor["text/plain"]) < 400 and doctor["text/plain"].startswith("<doctor report: cifar_cnn")
+    fit = result(3)["text/plain"]
+    assert fit.startswith("FitResult(1 epochs") and len(fit) < 400
+    tune = result(4)
+    assert "chosen:" in tune["text/plain"] and "text/html" in tune
+    widgets = [o for cell in outs for o in cell if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert widgets, "progress bars should be notebook widgets (tqdm.auto with ipywidgets)"
+    json.dumps(nb)  # the executed notebook is plain JSON, as a user would save it

@@ -241,3 +241,31 @@ def test_the_file_system_of_the_files_is_named(tmp_path):
     assert file_system("/x", str(tmp_path / "none")) is None
     text, bound = storage_sentence(StorageRead(10, 10_000, 1.0, True, "nfs4", "/mnt/my data"), 0.15)
     assert "(cold; nfs4 at /mnt/my data, a network file system)" in text and bound
+
+
+def test_the_html_report_puts_the_advice_first_and_fits_1280_px(pack, tmp_path, monkeypatch):
+    """Verdict, busy warning, What to do, the cores answer and findings are HTML text above the
+    charts, and nothing scrolls sideways at 1280 px in headless Chromium (skipped without it)."""
+    import shutil
+    import subprocess
+
+    monkeypatch.setattr(hardware.OtherLoad, "warning", lambda self: "other processes kept 1.2 of 2 cores busy")
+    r = doctor(Tiny(), pack, batch_size=16, steps=3, warmup=1, device="cpu", progress=False)
+    r.recommendations[0].action += " --a-very-long-flag-" + "x" * 300  # a long command must wrap, not scroll
+    page = r.html()
+    assert page.index("Busy machine") < page.index("What to do") < page.index("<svg")
+    assert "Busy machine" in page and "physical cores" in page and page.index("Cores") < page.index("<svg")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if not chromium:
+        pytest.skip("no Chromium here to render the page")
+    probe = tmp_path / "r.html"
+    probe.write_text(page.replace("</body>", "<script>document.title='W='+document.documentElement.scrollWidth"
+                                             "</script></body>"))
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'u'}",
+             "--window-size=1280,1600"]
+    dom = subprocess.run(flags + ["--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    width = int(dom.split("<title>W=")[1].split("<")[0])
+    assert width <= 1280, f"the page is {width} px wide at a 1280 px window"
+    subprocess.run(flags + [f"--screenshot={tmp_path / 'r.png'}", probe.as_uri()], capture_output=True, timeout=120)
+    assert (tmp_path / "r.png").stat().st_size > 10_000  # a page was drawn (looked at by hand: docs/DOCTOR.md)

@@ -364,8 +364,8 @@ def test_arrays_keep_their_own_size_files_need_a_size(image_folder, tmp_path, ca
     assert trainfast.pack((x, np.arange(20) % 4), tmp_path / "s", size=(16, 8), progress=False).shape == (16, 8, 3)
     chw = trainfast.pack((x.transpose(0, 3, 1, 2), np.array(["b", "a"] * 10)), tmp_path / "c")
     assert chw.shape == (32, 32, 3) and chw.classes == ["a", "b"]
-    err = capsys.readouterr().err
-    assert "channels-first" in err and "a=0, b=1" in err  # said once, on stderr with the pack's summary
+    out = capsys.readouterr().out
+    assert "channels-first" in out and "a=0, b=1" in out  # said once, with the pack's summary (on log: print)
     with pytest.raises(TrainfastError, match=r"image files can differ in size; .*size=\(64, 128\)"):
         trainfast.pack(image_folder, tmp_path / "f", progress=False)
 

@@ -164,7 +164,7 @@ def advice_html(r) -> str:
     if r.load_warning:
         parts.append(f'<p class="warning"><b>Busy machine:</b> {e(r.load_warning)}</p>')
     parts.append(f"<p>{e(units.rate(t.images_per_s))} images/s now; the compute side alone runs at "
-                 f"{e(units.rate(compute_rate))} images/s (batch {t.batch_size}, {e(r.speed.label())}, "
+                 f"{e(units.rate(compute_rate))} images/s ({e(r.speed.label())}, "
                  f"{e(r.system['device'])}).</p>")
     if r.storage:
         parts.append(f"<p><b>Storage:</b> {e(r.storage['sentence'])}</p>")

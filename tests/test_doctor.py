@@ -194,7 +194,7 @@ def test_loader_advice_only_where_a_measurement_says_it_helps(pack, monkeypatch,
     if helps:
         assert [r.title for r in recs] == ["Give the Loader 4 threads", "Give the Loader 8 threads"]
         assert recs[0].measured and recs[0].speedup == pytest.approx(0.010 / 0.004)
-        assert "10.0 → 4.0 ms per batch" in recs[0].evidence and "gathered by 2 threads" in recs[0].evidence
+        assert "10.0 → 4.00 ms per batch" in recs[0].evidence and "gathered by 2 threads" in recs[0].evidence
     else:
         assert recs == []
 
@@ -269,3 +269,25 @@ def test_the_html_report_puts_the_advice_first_and_fits_1280_px(pack, tmp_path, 
     assert width <= 1280, f"the page is {width} px wide at a 1280 px window"
     subprocess.run(flags + [f"--screenshot={tmp_path / 'r.png'}", probe.as_uri()], capture_output=True, timeout=120)
     assert (tmp_path / "r.png").stat().st_size > 10_000  # a page was drawn (looked at by hand: docs/DOCTOR.md)
+
+
+def test_the_api_doctor_takes_the_users_batch_and_arrays_and_says_when_no_fix_helps(pack, monkeypatch):
+    from trainfast import Loader
+    from trainfast.diagnose import _compute_rate  # noqa: F401 - replaced below
+    monkeypatch.setattr("trainfast.diagnose._compute_rate", lambda *a, **k: 1000.0)  # every fix: no faster
+    r = doctor(Tiny(), Loader(pack, batch_size=32, device="cpu"), steps=3, warmup=1, device="cpu", progress=False)
+    assert r.times.batch_size == r.speed.batch_size == 32 and "batch 32" in r.text().splitlines()[1]
+    assert "batch 64" not in r.text()
+    assert r.fixes_note.startswith("no fix measured ≥ 5% faster (tried: ") and r.fixes_note in r.text()
+    x = np.stack([pack.image(i) for i in range(64)])
+    r = doctor(Tiny(), (x, np.asarray(pack.labels[:64])), batch_size=16, steps=2, warmup=1, device="cpu",
+               try_fixes=False, progress=False)
+    assert r.data.startswith("pack ") and r.times.batch_size == 16
+    with pytest.raises(TrainfastError, match="Loader's pack must be a trainfast Pack or a pack's path, not a tuple"):
+        Loader((x, pack.labels[:64]))
+
+
+def test_rates_keep_their_significant_digits():
+    from trainfast import units
+    assert [units.rate(v) for v in (0.8123, 1.39, 12.34, 123.4, 251603)] == ["0.812", "1.39", "12.3", "123", "251,603"]
+    assert units.ms(0.004) == "4.00" and units.rate(99.96) == "100"

@@ -147,7 +147,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
         after = doctor("plate_cnn", train_pk, batch_size=128, steps=cfg.doctor_steps, warmup=1, device=cfg.device,
                        try_fixes=False, log=lambda m: log("   " + m))
         log(f"   VERDICT {after.verdict.sentence}")
-        log(f"   data wait {after.times.data * 1e3:.1f} ms per step (was {before.times.data * 1e3:.0f} ms); "
+        log(f"   data wait {units.ms(after.times.data)} ms per step (was {units.ms(before.times.data)} ms); "
             f"{units.rate(after.times.images_per_s)} images/s (was {units.rate(before.times.images_per_s)})")
 
     with stage("tune plate_net on this machine (torch.compile left out to keep the demo short)"):

@@ -283,8 +283,8 @@ def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recomm
                 f"{src.pack_command('DATA.pack', f'{shape[1]}x{shape[2]}')}\n"
                 f"trainfast train DATA.pack --model {cmd_model}",
                 t.step / new, True,
-                f"a pack of a sample of your files loads a batch in {per_batch * 1e3:.1f} ms; your pipeline "
-                f"took {t.data * 1e3:.0f} ms" + (f"; {storage['sentence']}" if storage else "")))
+                f"a pack of a sample of your files loads a batch in {units.ms(per_batch)} ms; your pipeline "
+                f"took {units.ms(t.data)} ms" + (f"; {storage['sentence']}" if storage else "")))
         elif pk is not None:
             recs += _loader_fixes(pk, t, compute_step, dev, log)
         else:
@@ -293,7 +293,7 @@ def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recomm
                 "trainfast pack SOURCE DATA.pack --size HxW   (then trainfast.Loader(DATA.pack, ...))\n"
                 "or: DataLoader(..., num_workers=<cores>, pin_memory=True, persistent_workers=True)",
                 t.step / max(compute_step, 1e-9), False,
-                f"estimate: the step without its {t.data * 1e3:.0f} ms data wait"))
+                f"estimate: the step without its {units.ms(t.data)} ms data wait"))
 
     # 2. the compute side: precision, memory format, batch size, threads
     base = _compute_rate(net, shape, out_shape, speed, dev, bar.update)
@@ -392,7 +392,7 @@ def _loader_fixes(pk: Pack, t: StepTimes, compute_step: float, dev, log) -> list
         if per_batch < base * 0.9:
             new = compute_step + max(0.0, per_batch - compute_step)
             recs.append(Recommendation(title, action, t.step / max(new, 1e-9), True,
-                                       f"data side, the Loader alone: {base * 1e3:.1f} → {per_batch * 1e3:.1f} ms per batch "
+                                       f"data side, the Loader alone: {units.ms(base)} → {units.ms(per_batch)} ms per batch "
                                        f"({now.describe()} now)"))
     return recs
 

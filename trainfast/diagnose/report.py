@@ -38,15 +38,15 @@ def render_text(r) -> str:
     how = " (steps back to back; the stage times below synchronise every step)" if t.steady else ""
     lines.append(f"         {units.rate(t.images_per_s)} images/s now{how}; the compute side alone runs at "
                  f"{units.rate(compute_rate)} images/s")
-    lines.append(f"         roofline {roof.bound_s * 1e3:.3f} ms/image vs {roof.measured_s * 1e3:.3f} ms measured "
+    lines.append(f"         roofline {units.ms(roof.bound_s)} ms/image vs {units.ms(roof.measured_s)} ms measured "
                  f"({roof.share_of_peak:.1%} of the {roof.dtype} peak)")
     if r.storage:
         lines.append(f"STORAGE  {r.storage['sentence']}")
     lines += ["", "Where the time goes (median per step)"]
     for s in STAGES:
         v, share = getattr(t, s), t.share(s)
-        lines.append(f"  {_STAGE_NAMES[s]:12s} {'█' * round(share * 40):40s} {v * 1e3:9.1f} ms {share:5.0%}")
-    lines.append(f"  {'step':12s} {'':40s} {t.step * 1e3:9.1f} ms")
+        lines.append(f"  {_STAGE_NAMES[s]:12s} {'█' * round(share * 40):40s} {units.ms(v):>9s} ms {share:5.0%}")
+    lines.append(f"  {'step':12s} {'':40s} {units.ms(t.step):>9s} ms")
     if r.recommendations or r.fixes_note:
         lines += ["", "What to do, ranked by expected gain"]
         if r.fixes_note:

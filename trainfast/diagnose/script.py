@@ -357,16 +357,16 @@ def render_text(r: ScriptReport) -> str:
         step = r.mean("seconds")
         bs = Counter(s.batch_size for s in r.timed).most_common(1)[0][0]  # not the epoch's short last batch
         rate = f"; {units.rate(bs / step)} images/s at batch {bs}" if bs else ""
-        lines.append(f"         {step * 1e3:,.1f} ms per step{rate}")
+        lines.append(f"         {units.ms(step)} ms per step{rate}")
         lines += ["", "Where the time goes (mean per step)"]
         for name, v in stage_parts(r):
             share = v / step if step else 0.0
-            lines.append(f"  {name:12s} {'█' * round(share * 40):40s} {v * 1e3:9.1f} ms {share:5.0%}")
+            lines.append(f"  {name:12s} {'█' * round(share * 40):40s} {units.ms(v):>9s} ms {share:5.0%}")
     if r.data_source or r.batches_drawn:
         lines += ["", "Data pipeline"]
         if r.data_source:
             lines.append("  " + ", ".join(f"{k} {v}" for k, v in r.data_source.items()))
-        lines.append(f"  batches drawn: {r.batches_drawn}" + (f"; the generator takes {r.generator_s_per_batch * 1e3:,.1f} "
+        lines.append(f"  batches drawn: {r.batches_drawn}" + (f"; the generator takes {units.ms(r.generator_s_per_batch)} "
                                                                "ms per batch" if r.generator_s_per_batch else ""))
         if r.data_functions:
             lines.append("  where the data time goes (share of sampled time inside the data pipeline):")

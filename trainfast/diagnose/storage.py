@@ -116,7 +116,7 @@ def storage_sentence(read: StorageRead, data_s_per_image: float) -> tuple[str, b
     if read.fs:
         how += f"; {read.fs} at {read.mount}" + (", a network file system" if read.fs in NETWORK_FS else "")
     text = (f"reading the files alone ({how}): {units.rate(read.files_per_s)} files/s, {read.mb_per_s:,.1f} MB/s, "
-            f"{per_file * 1e3:.2f} ms per file = {min(share, 1):.0%} of the data time per image")
+            f"{units.ms(per_file)} ms per file = {min(share, 1):.0%} of the data time per image")
     if bound:
         text += "; the storage is the bottleneck: write the pack to a local disk"
     return text, bound

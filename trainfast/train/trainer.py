@@ -434,7 +434,7 @@ def _epoch_line(row: dict, sequence: bool) -> str:
     if "val_loss" in row and sequence:
         extra += f", whole sequences {row['val_seq_acc']:.2%}"
     return (f"epoch {row['epoch'] + 1}: train loss {row['train_loss']:.4f}{extra}, {units.rate(row['images_per_s'])} img/s, "
-            f"{row['seconds']:.1f} s")
+            f"{units.rate(row['seconds'])} s")
 
 
 def _pays(best: Speed, rows: list, planned_images: int, say) -> Speed:

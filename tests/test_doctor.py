@@ -275,6 +275,7 @@ def test_the_api_doctor_takes_the_users_batch_and_arrays_and_says_when_no_fix_he
     from trainfast import Loader
     from trainfast.diagnose import _compute_rate  # noqa: F401 - replaced below
     monkeypatch.setattr("trainfast.diagnose._compute_rate", lambda *a, **k: 1000.0)  # every fix: no faster
+    monkeypatch.setattr("trainfast.diagnose._loader_fixes", lambda *a, **k: [])  # the data side: none either
     r = doctor(Tiny(), Loader(pack, batch_size=32, device="cpu"), steps=3, warmup=1, device="cpu", progress=False)
     assert r.times.batch_size == r.speed.batch_size == 32 and "batch 32" in r.text().splitlines()[1]
     assert "batch 64" not in r.text()

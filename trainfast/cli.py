@@ -278,8 +278,8 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_pack(a) -> ExitStatus:
     from trainfast.data.pack import pack
 
-    pack(a.source, a.out, log=lambda msg: print(msg, file=sys.stderr), size=a.size, resize=a.resize, channels=a.channels, encoding=a.encoding,
-         quality=a.quality, workers=a.workers, on_error=a.on_error, limit=a.limit, seed=a.seed,
+    pack(a.source, a.out, log=lambda msg: print(msg, file=sys.stderr), size=a.size, resize=a.resize,
+         channels=a.channels, encoding=a.encoding, quality=a.quality, workers=a.workers, on_error=a.on_error, limit=a.limit, seed=a.seed,
          overwrite=a.overwrite, progress=not a.quiet, split=a.split, **_csv_values(a))
     return ExitStatus.OK
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from trainfast import models
+from trainfast import models, units
 from trainfast.config import Augment, Speed, TrainConfig, scale_lr
 from trainfast.data.format import Pack
 from trainfast.data.loader import Loader
@@ -39,7 +39,6 @@ from trainfast.train import fit
 from trainfast.train.distributed import World
 from trainfast.train.trainer import data_max_batch, evaluate
 from trainfast.tuning import more_steps_unless_faster, tune
-from trainfast import units
 
 LR, LR_BATCH = 3e-3, 64  # plate_net's AdamW learning rate, measured at batch 64 (docs/MODELS.md)
 @dataclass

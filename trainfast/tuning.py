@@ -32,13 +32,12 @@ from typing import Callable
 
 import torch
 
-from trainfast import hardware
+from trainfast import hardware, units
 from trainfast import step as _step
 from trainfast.config import Speed
 from trainfast.diagnose.timing import step_breakdown, synthetic_batches, throughput
 from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
-from trainfast import units
 
 LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
 FINAL_ROUNDS = 2  # extra round-robin timings of each finalist
@@ -341,7 +340,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         max_batch = max_batch or min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(images))
         planned_images = planned_images or images
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
-    _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy modules too
+    first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
     started = _clock()
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch))
     cache = hardware.read_cache("tune.json")
@@ -352,10 +351,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
                           budget_s=c.get("budget_s"))
 
     measure = measure or measure_trial
-    out_shape = getattr(model, "output_shape", None)
-    if out_shape is None:
-        with torch.no_grad():
-            out_shape = tuple(copy.deepcopy(model).eval()(torch.zeros(1, *input_shape)).shape[1:])
+    out_shape = getattr(model, "output_shape", None) or tuple(first.shape[1:])
     rows: list[Trial] = []
     not_timed: list[str] = []
     plan: dict = {}  # once the first setting is timed: its time, and the fastest rate timed so far

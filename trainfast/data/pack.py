@@ -27,13 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from trainfast import units
 from trainfast.config import PackConfig
 from trainfast.data import decode as _decode
 from trainfast.data.format import ENCODINGS, SCHEMA_VERSION, Pack, is_pack, read_meta
 from trainfast.data.sources import Source, from_arrays, open_source
 from trainfast.errors import TrainfastError
 from trainfast.hardware import cache_dir, usable_cores
-from trainfast import units
 
 _JPEG_AUTO_PIXELS = 256 * 256  # auto encoding: raw up to this many pixels per image, jpeg above
 

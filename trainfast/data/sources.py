@@ -238,9 +238,8 @@ def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> S
         raise TrainfastError(f"{name}: no images (empty array)")
     if images.ndim == 4 and images.shape[1] in (1, 3, 4) and images.shape[3] not in (1, 3, 4):
         # (N, C, H, W), as torch and CIFAR's raw rows hold them; the pack's decoder wants (H, W, C)
+        notes.append(f"images {images.shape} read as channels-first (N, C, H, W) and stored channels-last")
         images = images.transpose(0, 2, 3, 1)
-        notes.append(f"images {tuple(np.shape(images.transpose(0, 3, 1, 2)))} read as channels-first "
-                     f"(N, C, H, W) and stored channels-last")
     elif images.ndim == 4 and images.shape[3] not in (1, 3, 4):
         raise TrainfastError(f"{name}: images of shape {images.shape} have {images.shape[3]} channels; trainfast "
                              "packs (N, H, W, C) images with 1, 3 or 4 channels (channels-first arrays: "
@@ -290,7 +289,8 @@ def _class_labels(labels: np.ndarray, classes, alphabet, name: str):
             where = {c: i for i, c in enumerate(map(str, classes))}
             return np.array([where[t] for t in text], np.int64), list(map(str, classes)), None
         shown = ", ".join(f"{c}={i}" for i, c in enumerate(found[:6])) + (", …" if len(found) > 6 else "")
-        return index.astype(np.int64), [str(c) for c in found],             f"{len(found)} classes from the label names, sorted: {shown}"
+        note = f"{len(found)} classes from the label names, sorted: {shown}"
+        return index.astype(np.int64), [str(c) for c in found], note
     if labels.dtype.kind == "b" and labels.ndim == 1:
         return labels.astype(np.int64), classes or ["False", "True"], None
     if labels.dtype.kind == "f":

@@ -95,11 +95,8 @@ def load_model(spec) -> tuple[nn.Module, str]:
 
 
 def _input_shape(model: nn.Module, data) -> tuple[tuple, int | None]:
-    """(C, H, W) the model is fed, and the batch size an iterable of batches brings (None for packs/files)."""
+    """(C, H, W) the model is fed, and the batch size its iterable of batches brings."""
     shape = getattr(model, "input_shape", None)
-    if isinstance(data, Pack):
-        h, w, c = data.shape
-        return tuple(shape or (c, h, w)), None
     if isinstance(data, Loader):
         h, w, c = data.pack.shape
         return tuple(shape or (c, h, w)), data.batch_size
@@ -172,7 +169,7 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
     if reason:
         raise TrainfastError(reason)
     batches, described, src, pk = _resolve_data(data, net, batch_size, dev, seed, source_options)
-    shape, own_batch = _input_shape(net, pk if pk is not None and batches is not data else batches)
+    shape, own_batch = _input_shape(net, batches)
     batch_size = own_batch or batch_size  # an iterable of batches brings its own: the header and fixes use it
     speed = replace(speed or Speed(), batch_size=batch_size)
     if pk is not None and tuple(shape) != (pk.shape[2], pk.shape[0], pk.shape[1]):

@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainfast import hardware
+from trainfast import hardware, units
 from trainfast.diagnose.probes import (
     _OURS,
     WARMUP,
@@ -46,7 +46,6 @@ from trainfast.diagnose.probes import (
 )
 from trainfast.diagnose.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUND
 from trainfast.errors import TrainfastError
-from trainfast import units
 
 SCHEMA_VERSION = 1
 

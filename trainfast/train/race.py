@@ -23,10 +23,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from trainfast import hardware
+from trainfast import hardware, units
 from trainfast import step as _step
 from trainfast.config import Speed
-from trainfast import units
 
 RACE_GAIN = 1.1  # race only when the fastest batch runs this much faster than the smallest one raced
 RACE_SHARE = 0.05  # all laps together: at most this share of the planned training time

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainfast import hardware, models
+from trainfast import hardware, models, units
 from trainfast import step as _step
 from trainfast.config import OPTIMIZERS, SCHEDULES, Augment, Speed, TrainConfig, default_lr, scale_lr
 from trainfast.data.format import Pack, as_pack
@@ -34,7 +34,6 @@ from trainfast.errors import TrainfastError
 from trainfast.train import checkpoint, distributed, lr_range
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
 from trainfast.tuning import MIN_STEPS_PER_EPOCH, data_max_batch  # noqa: F401 - fit's data bound, kept importable here
-from trainfast import units
 
 
 # Steps between reads of the loss off the device (see _Watch). On a CPU a read costs nothing.
@@ -67,7 +66,7 @@ def _model_and_name(model) -> tuple[torch.nn.Module, str]:
 
 def check_fits(model: torch.nn.Module, pk: Pack) -> int:
     """The pack's images and labels must be what the model takes and predicts: checked with one
-    forward pass of two of the pack's images (on the CPU, in eval mode, no gradient), which also
+    forward pass of two of the pack's images (on the model's device, in eval mode, no gradient), which also
     materialises lazy modules (nn.LazyLinear) before an optimizer needs their parameters."""
     h, w, c = pk.shape
     want = getattr(model, "input_shape", None)
@@ -89,7 +88,6 @@ def check_fits(model: torch.nn.Module, pk: Pack) -> int:
 
 def model_output(model: torch.nn.Module, pk: Pack) -> torch.Tensor:
     """The model's output for two of the pack's images, or one line saying why there is none."""
-    h, w, c = pk.shape
     x = torch.from_numpy(np.stack([pk.image(i) for i in range(min(2, len(pk)))])).permute(0, 3, 1, 2).float() / 255
     return _step.first_forward(model, x, f"{pk.path}'s images")
 

@@ -117,9 +117,9 @@ def test_range_test_with_nothing_to_learn_chooses_no_rate_and_fit_says_so(digits
     assert r.lr is None and "lowered the loss" in r.sentence(0.1, "sgd") and r.peak(0.1) == 0.1
     said = []
     train, test = digits_packs
-    fit("cifar_cnn", train, test, config=TrainConfig(epochs=1, loss_watch=False), speed=Speed(batch_size=64),
-        device="cpu", run_dir=tmp_path / "r", progress=False, log=said.append)
-    assert any(m.startswith("learning rate range test") for m in said)
+    fit("cifar_cnn", train, test, config=TrainConfig(epochs=1, loss_watch=False, lr_test=True),
+        speed=Speed(batch_size=64), device="cpu", run_dir=tmp_path / "r", progress=False, log=said.append)
+    assert any(m.startswith("learning rate range test") for m in said)  # opted into; off by default
 
 
 def test_the_range_test_lowers_the_default_rate_and_never_raises_it():

@@ -107,7 +107,7 @@ class Explodes(nn.Module):
         self.calls, self.ok = 0, ok_steps
 
     def forward(self, x):
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # training steps, not fit's no-gradient probes
             self.calls += 1
         y = self.net(x)
         return y * float("nan") if self.calls > self.ok else y
@@ -454,7 +454,7 @@ def test_fit_names_what_it_takes_and_takes_what_users_hold(digits_packs, tmp_pat
         fit(net(out=5), train, run_dir=tmp_path / "b", **quiet)
     with pytest.raises(TrainfastError, match="must be a trainfast Pack or a pack's path, not a dict"):
         fit(net(), {"x": 1}, run_dir=tmp_path / "c", **quiet)
-    with pytest.raises(TrainfastError, match="returns a tuple"):
+    with pytest.raises(TrainfastError, match=r"returns a tuple \(item 0, item 1\) with no obvious logits"):
         fit(TupleNet(), train, run_dir=tmp_path / "d", **quiet)
     r = fit(net(), Loader(train, 32, device="cpu"), run_dir=tmp_path / "e", **quiet)  # lazy: materialised first
     assert r.speed.batch_size == 32 and any("the Loader's pack" in s for s in said)
@@ -470,4 +470,4 @@ class TupleNet(torch.nn.Module):
 
     def forward(self, x):
         out = self.fc(x.flatten(1))
-        return out, out
+        return out, x.flatten(1)  # logits and features: which is which is not for trainfast to guess

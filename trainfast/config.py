@@ -131,7 +131,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     """adamw (the default: it trains networks without normalisation too), sgd (Nesterov momentum) or rmsprop."""
     lr: float = 0.0
-    """Peak learning rate; 0: the optimizer's default for the batch, checked by a range test (see lr_test)."""
+    """Peak learning rate; 0: the optimizer's default for the batch (see lr_test)."""
     momentum: float = 0.9
     """SGD momentum (Nesterov) / RMSprop momentum."""
     weight_decay: float = 5e-4
@@ -154,9 +154,10 @@ class TrainConfig:
     """Seed of the weights, the order and the augmentations."""
     deterministic: bool = False
     """Deterministic kernels (cuDNN, cuBLAS): the same seed gives the same weights on the same device; can be slower."""
-    lr_test: bool = True
+    lr_test: bool = False
     """With lr 0: a learning-rate range test on the training data may lower the optimizer's default rate
-    (scaled from batch 256); off: the default as it is."""
+    (scaled from batch 256). Off by default: its short test lowered AdamW's rate 4-10× on outside models
+    and cost them held-out accuracy (docs/TRAINING.md)."""
     tune_share: float = 0.1
     """The most of the planned training time that tuning may take (0: no bound)."""
     loss_watch: bool = True

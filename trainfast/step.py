@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -130,17 +131,83 @@ def to_device(x: torch.Tensor, y: torch.Tensor, speed: Speed, device: torch.devi
     return x, y
 
 
-def first_forward(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
-    """The model's output for `x` (eval mode, no gradient, on the model's device; its mode is
-    restored), or one TrainfastError line naming `what` and the reason. This first call also
+LOGIT_KEYS = ("logits", "out", "output")  # a dict's (or a named tuple's) entry that holds the logits
+
+
+def logits_of(out):
+    """The logits in what a model returns: a tensor as it is; from a dict (or a Hugging
+    Face-style output), its "logits" ("out", "output") entry; from a named tuple, its `logits`
+    field (torchvision's GoogLeNet and Inception in training: logits and aux logits); from a
+    plain tuple or list, its first item where every item is a tensor of that shape (a main
+    output and its auxiliary copies). None where there is no obvious one."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        return next((out[k] for k in LOGIT_KEYS if isinstance(out.get(k), torch.Tensor)), None)
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) and t.shape == out[0].shape
+                                                       for t in out):
+        return out[0]
+    return None
+
+
+def describe_output(out) -> str | None:
+    """One line on which part of a model's output trainfast trains on, where it is not a plain
+    tensor; None for a tensor. Raises TrainfastError where there is no obvious logits entry."""
+    if isinstance(out, torch.Tensor):
+        return None
+    kind = type(out).__name__
+    if isinstance(out, Mapping):
+        parts, key = list(out), next((k for k in LOGIT_KEYS if isinstance(out.get(k), torch.Tensor)), None)
+        what = f"its {key!r} entry"
+    else:
+        fields = getattr(out, "_fields", None)
+        parts = list(fields) if fields else ([f"item {i}" for i in range(len(out))]
+                                             if isinstance(out, (tuple, list)) else [])
+        what = "its 'logits'" if fields and "logits" in fields else "its first item"
+    names = ", ".join(map(str, parts[:6])) + (", …" if len(parts) > 6 else "")
+    if logits_of(out) is None:
+        raise TrainfastError(f"the model returns a {kind} ({names or 'no tensors'}) with no obvious logits: "
+                             f"trainfast trains on one tensor of logits, (N, classes) or (N, positions, "
+                             f"characters); return that, or a dict with a 'logits' entry")
+    aux = " (auxiliary outputs are left out of the loss)" if len(parts) > 1 else ""
+    return f"the model returns a {kind} ({names}) in training: trainfast trains on {what}{aux}"
+
+
+@contextlib.contextmanager
+def kept_state(model: nn.Module, devices=()):
+    """Run `model` in training mode and put everything back after: its buffers (batch-norm
+    statistics), its mode and the random streams (dropout draws)."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    was_training = model.training
+    try:
+        with torch.random.fork_rng(devices=list(devices)):
+            yield model.train()
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def first_forward(model: nn.Module, x: torch.Tensor, what: str, say=None) -> torch.Tensor:
+    """The model's logits for `x` (eval mode, no gradient, on the model's device; its mode is
+    restored), or one TrainfastError line naming `what` and the reason. A second call in
+    training mode (statistics and random streams put back) finds what training sees: where
+    that is not a plain tensor, `say` is told which part is trained on. This first call also
     materialises lazy modules (nn.LazyLinear), which must happen before their parameters are read."""
     n, c, h, w = x.shape
     ready = [p for p in model.parameters() if not isinstance(p, nn.parameter.UninitializedParameter)]
     x = x.to(ready[0].device if ready else torch.device("cpu"))
     was_training = model.training
+    devices = [x.device] if x.device.type == "cuda" else []
     try:
         with torch.no_grad():
             out = model.eval()(x)
+            with kept_state(model, devices):
+                trained = model(x)
     except Exception as e:  # noqa: BLE001 - whatever the user's forward raises, said in one line
         why = (str(e).strip().splitlines() or [""])[0]
         hint = "; a pack's channels are set when it is made (channels=1 or 3)" if "channels" in why else ""
@@ -148,9 +215,11 @@ def first_forward(model: nn.Module, x: torch.Tensor, what: str) -> torch.Tensor:
                              f"{type(e).__name__}{': ' + why[:300] if why else ''}{hint}") from None
     finally:
         model.train(was_training)
-    if not isinstance(out, torch.Tensor):
-        raise TrainfastError(f"the model returns a {type(out).__name__}; trainfast trains on one tensor of logits, "
-                             "(N, classes) or (N, positions, characters)")
+    describe_output(out)  # one line where evaluation gets no logits
+    note = describe_output(trained)
+    if note and say is not None:
+        say(note)
+    out = logits_of(out)
     if not out.is_floating_point():
         raise TrainfastError(f"the model returns {out.dtype} values; trainfast trains on floating-point logits")
     return out
@@ -167,7 +236,7 @@ def forward_loss(model, x, y, speed: Speed, device: torch.device, label_smoothin
     if speed.compile and device.type == "cuda":
         torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are used up
     with autocast(speed, device):
-        out = model(x)
+        out = logits_of(model(x))
     return loss_fn(out, y, label_smoothing), out
 
 

@@ -40,6 +40,8 @@ from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
 
 LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
+LOSS_BATCH = 8  # the images of that batch: the same for every candidate, whatever its batch size
+STANDALONE_S = 60.0  # a tune with no budget given (not fit's): its default bound, in seconds
 FINAL_ROUNDS = 2  # extra round-robin timings of each finalist
 MIN_SECONDS = 0.8  # the least time one timing spans
 MAX_STEPS = 60
@@ -138,7 +140,8 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
     compile_s = 0.0
     try:
         net = _step.prepare(net, speed, device)
-        x, y = _step.to_device(*data[0], speed, device)
+        # the soundness check's loss: the same images and labels for every setting and batch size
+        x, y = _step.to_device(*synthetic_batches(shape, out_shape, LOSS_BATCH, device, n=1)[0], speed, device)
         with torch.no_grad():
             loss, _ = _step.forward_loss(net.eval(), x, y, speed, device)
         net.train()
@@ -224,7 +227,7 @@ def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, m
         times = []
         for _ in range(3):
             t = time.perf_counter()
-            net(x).float().square().mean().backward()
+            _step.logits_of(net(x)).float().square().mean().backward()
             times.append(time.perf_counter() - t)
             if times[-1] > START_STEP_S:
                 break
@@ -305,16 +308,20 @@ def _input_of(data) -> tuple[tuple[int, int, int], int | None]:
 
 
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
-         max_batch: int | None = None, planned_images: int | None = None, budget_share: float = 0.0,
-         max_seconds: float | None = None, try_compile: bool = True, try_rewrites: bool = True, retune: bool = False,
-         measure: Callable[..., Trial] | None = None, log=print) -> TuneResult:
+         max_batch: int | None = None, images: int | None = None, planned_images: int | None = None,
+         budget_share: float = 0.0, max_seconds: float | None = None, try_compile: bool = True,
+         try_rewrites: bool = True, retune: bool = False, measure: Callable[..., Trial] | None = None,
+         log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
-        trainfast.tune(model, (3, 32, 32))      # inputs of this shape
         trainfast.tune(model, "cifar.pack")     # the pack's shape; the batch bounded by its images, as fit bounds it
+        trainfast.tune(model, (3, 32, 32), images=50_000)   # inputs of this shape, 50,000 per epoch
 
     Args:
         input_shape: (C, H, W), or a Pack (or a pack's path).
+        images: training images per epoch (per process), where input_shape is not a pack: the
+            batch is bounded as fit bounds it (data_max_batch). Without it and without a pack,
+            batches up to max_batch are tried, which a small dataset could not use.
         batch_size: pin the batch size (else start at 64, or less than max_batch, and search
             powers of two).
         max_batch: the largest batch tried (default MAX_BATCH[device type]).
@@ -324,7 +331,8 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             out is reported. A search cut short is cached with its budget: a later tune whose
             budget is not larger (within 25%) reuses it, a larger one measures again.
         max_seconds: a bound on the tune's own time, from its start (the tighter of the two
-            bounds holds when both are given).
+            bounds holds when both are given). With neither bound, STANDALONE_S (a torch.compile
+            alone can take minutes on a laptop CPU); what it leaves out is listed.
         try_compile: include torch.compile of the winner (slow to compile on CPU).
         try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
         measure: replaces measure_trial (tests inject a fake clock here).
@@ -335,12 +343,16 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         raise TrainfastError(str(e)) from None
     if not isinstance(model, torch.nn.Module):
         raise TrainfastError(f"tune takes an nn.Module, not a {type(model).__name__}")
-    input_shape, images = _input_of(input_shape)
-    if images is not None:  # a pack: its images bound the batch as fit bounds it, unless the caller did
+    input_shape, pack_images = _input_of(input_shape)
+    images = images or pack_images
+    if images is not None:  # the data's images bound the batch as fit bounds it, unless the caller did
         max_batch = max_batch or min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(images))
-        planned_images = planned_images or images
+    if max_seconds is None and not (planned_images and budget_share):
+        max_seconds = STANDALONE_S
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
+    if try_rewrites and not any(rewrite.apply(copy.deepcopy(model), rewrite.ALL).values()):
+        try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
     started = _clock()
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch))
     cache = hardware.read_cache("tune.json")

@@ -9,12 +9,16 @@ belongs to the memory bound instead.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from trainfast.step import logits_of
 
 
 @dataclass
@@ -26,6 +30,7 @@ class LayerCost:
     params: int
     flops: int  # forward FLOPs per image
     activation_bytes: int  # output bytes per image at the dtype measured
+    kernel: tuple = ()  # a convolution's kernel size
 
 
 @dataclass
@@ -53,7 +58,31 @@ def _adaptive_pool_flops(input_shape, output_size, *args, out_shape=None, **kwar
     return math.prod(input_shape)  # every input element is read into exactly one window
 
 
+def _conv_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                         _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """A convolution's backward: the input's gradient and the weight's each cost what the
+    forward did, 2 × batch × positions × the weight's size (its (out, in / groups, kh, kw)
+    shape already divides by the groups). torch's own formula counts the weight's gradient
+    with all input channels, `groups` times too much for grouped and depthwise convolutions."""
+    positions = math.prod((x_shape if transposed else grad_out_shape)[2:])
+    forward = 2 * x_shape[0] * positions * math.prod(w_shape)
+    return forward * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+def _sdpa_cpu_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(q, k, v)
+
+
+def _sdpa_cpu_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
 _CUSTOM = {
+    torch.ops.aten.convolution_backward: _conv_backward_flops,
+    # NOTE: attention on the CPU runs these kernels, which torch's counter does not know (it
+    # counts the CUDA ones); the work is the same matrix products.
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
     torch.ops.aten.max_pool2d_with_indices: _pool_flops,
     torch.ops.aten.max_pool2d: _pool_flops,
     torch.ops.aten.avg_pool2d: _pool_flops,
@@ -64,7 +93,7 @@ _CUSTOM = {
 def _count(model: nn.Module, x: torch.Tensor, backward: bool) -> dict:
     counter = FlopCounterMode(display=False, custom_mapping=_CUSTOM)
     with counter:
-        y = model(x)
+        y = logits_of(model(x))
         if backward:
             y.float().sum().backward()
     return counter.get_flop_counts()
@@ -127,7 +156,8 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
             continue  # not used in forward
         params = sum(p.numel() for p in mod.parameters(recurse=False))
         layers.append(LayerCost(name, type(mod).__name__, inputs.get(name, ()), shapes[name], params,
-                                per_module.get(name, 0) // batch, math.prod(shapes[name]) * size))
+                                per_module.get(name, 0) // batch, math.prod(shapes[name]) * size,
+                                tuple(mod.kernel_size) if isinstance(mod, nn.Conv2d) else ()))
     params = sum(p.numel() for p in model.parameters())
     cost = ModelCost(
         layers=layers, params=params,
@@ -179,11 +209,20 @@ def learning_findings(cost: ModelCost) -> list[str]:
                            "feature vector per position instead")
             else:
                 out.append(f"{l.name} sees a single feature (input {l.input_shape}): a width-1 bottleneck")
-    convs = [l for l in cost.layers if l.kind == "Conv2d" and len(l.output_shape) == 3]
-    for a, b in zip(convs, convs[1:]):
-        if b.output_shape[0] < a.output_shape[0] and b.output_shape[1] < a.output_shape[1]:
-            out.append(f"filters shrink from {a.output_shape[0]} to {b.output_shape[0]} after downsampling "
-                       f"({a.name} → {b.name}): usual practice doubles them as resolution halves")
+    # The network's width at each resolution: its widest convolution there. Comparing convolutions
+    # one by one would flag every narrowing by design: a squeeze-excitation gate (on a 1×1 map), a
+    # Fire module's squeeze or a bottleneck's 1×1 reduction, a dense or inception block's branch.
+    widest: dict[tuple, tuple[int, LayerCost]] = {}
+    for l in cost.layers:
+        if l.kind == "Conv2d" and len(l.output_shape) == 3 and math.prod(l.output_shape[1:]) > 1:
+            at = tuple(l.output_shape[1:])
+            if at not in widest or l.output_shape[0] > widest[at][0]:
+                widest[at] = (l.output_shape[0], l)
+    levels = list(widest.values())  # in the order the resolutions first appear
+    for (wa, a), (wb, b) in zip(levels, levels[1:]):
+        if wb < wa and math.prod(b.output_shape[1:]) < math.prod(a.output_shape[1:]):
+            out.append(f"filters shrink from {wa} to {wb} after downsampling ({a.name} → {b.name}, the widest "
+                       "at each resolution): usual practice doubles them as resolution halves")
     return out
 
 
@@ -207,16 +246,22 @@ def _still(t: torch.Tensor) -> torch.Tensor:
 def measured_findings(net: nn.Module, x: torch.Tensor, when: str = "") -> tuple[list[str], bool]:
     """Findings measured by running `net` on the batch `x` (images that differ), and whether
     every output is frozen: outputs that are the same for every image (_still_outputs), and a
-    width-1 head that can name only some of its classes whatever the image (head_reach). Run
-    in eval mode on `net` itself, without gradients; its mode is restored."""
+    width-1 head that can name only some of its classes whatever the image (head_reach).
+    Run as training runs it (training mode: batch-norm on the batch's own statistics), on a
+    copy, with the random streams put back; `net` is not changed.
+
+    Every output the same is called frozen only where no parameter that ran before the
+    place it froze gets a gradient from a loss on these images: then training cannot move
+    it (dead ReLUs). A fresh model whose output is flat for another reason, e.g. behind
+    zero-initialised batch-norm gammas, gets gradients there and learns."""
     traced = _trace(net, x)
     if traced is None:
         return [], False
-    out, layers = traced
+    out, layers, moving = traced
     found, frozen = [], False
     still = _still_outputs(out, layers)
-    if still is not None:
-        found.append(still_finding(*still, len(x), when))
+    if still is not None and not (still[0].all() and moving(still[2])):
+        found.append(still_finding(still[0], still[1], len(x), when))
         frozen = bool(still[0].all())
     reach = head_reach(out, layers, len(x), when)
     return found + ([reach] if reach else []), frozen
@@ -232,18 +277,20 @@ def still_finding(still: torch.Tensor, origin: str, images: int, when: str = "")
             "activation, or keeping a feature vector per output instead of one number, avoids it")
 
 
-Traced = tuple[torch.Tensor, list[tuple[str, nn.Module, torch.Tensor, torch.Tensor]]]
+Layer = tuple[str, nn.Module, torch.Tensor, torch.Tensor]  # name, module, input, output
 
 
-def _trace(net: nn.Module, x: torch.Tensor) -> Traced | None:
-    """(output, leaf layers in the order they ran as (name, module, input, output)) of `net`
-    on `x` in eval mode without gradients, or None where it will not run or gives no finite
-    (batch, ...) output."""
+def _trace(net: nn.Module, x: torch.Tensor):
+    """(output, leaf layers in the order they ran, moving) of a copy of `net` on `x` in
+    training mode, or None where it will not run or gives no finite (batch, ...) output.
+    moving(k) says whether a parameter of the first k layers that ran gets a gradient from a
+    cross-entropy loss on the output (every layer but the last for k=None)."""
+    from trainfast.step import kept_state, logits_of
+
     if len(x) < 2:
         return None
-    was_training = net.training
-    net.eval()
-    layers: list[tuple[str, nn.Module, torch.Tensor, torch.Tensor]] = []
+    net = copy.deepcopy(net)
+    layers: list[Layer] = []
 
     def record(name):
         def hook(module, args, output):
@@ -253,38 +300,49 @@ def _trace(net: nn.Module, x: torch.Tensor) -> Traced | None:
         return hook
     handles = [m.register_forward_hook(record(n)) for n, m in net.named_modules() if n and not list(m.children())]
     try:
-        with torch.no_grad():
-            out = net(x).float()
+        with kept_state(net, [x.device] if x.device.type == "cuda" else []):
+            raw = logits_of(net(x))
+            out = raw.detach().float()
+            if out.dim() >= 2 and torch.isfinite(out).all() and raw.requires_grad:
+                k = out.shape[-1]  # every class as a label in turn: a loss whose gradient reaches the logits
+                target = torch.arange(out[..., 0].numel(), device=out.device).reshape(out.shape[:-1]) % k
+                F.cross_entropy(raw.float().reshape(-1, k), target.reshape(-1)).backward()
     except Exception:  # noqa: BLE001 - a finding is a bonus: a model that will not run here gets none
         return None
     finally:
         for h in handles:
             h.remove()
-        net.train(was_training)
     if out.dim() < 2 or not torch.isfinite(out).all():
         return None
-    return out, layers
+
+    def moving(upto: int | None) -> bool:
+        ran = layers[:upto] if upto is not None else layers[:-1]
+        return any(p.grad is not None and bool(p.grad.abs().max() > 0)
+                   for _, m, _, _ in ran for p in m.parameters(recurse=False))
+    return out, layers, moving
 
 
-def _still_outputs(out, layers) -> tuple[torch.Tensor, str] | None:
-    """(still, origin) from a _trace: per output position (one entry for a plain classifier),
+def _still_outputs(out, layers) -> tuple[torch.Tensor, str, int | None] | None:
+    """(still, origin, k) from a _trace: per output position (one entry for a plain classifier),
     True where the output is the same for every image; and where all are, in words, the first
-    layer where the network stopped seeing its input. None where no output is still."""
+    layer where the network stopped seeing its input, which is the k-th to run (None where no
+    layer is). None where no output is still."""
     spread = _still(out)
     still = spread.flatten(1).all(1) if out.dim() >= 3 else spread.all().reshape(1)
     if not still.any():
         return None
-    origin = ""
+    origin, upto = "", None
     if still.all():
-        first = next(((n, m, t, float(_still(t).float().mean())) for n, m, _, t in layers[:-1]
+        first = next(((i, n, m, t, float(_still(t).float().mean())) for i, (n, m, _, t) in enumerate(layers[:-1])
                       if t.dim() >= 2 and _still(t).float().mean() >= STILL_SHARE), None)
         if first is not None:
-            n, m, t, share = first
+            i, n, m, t, share = first
+            upto = i + 1
             zeros = float((t == 0).float().mean())
             origin = (f"; the network stopped seeing its input at {n} ({type(m).__name__}): "
                       f"{_pct(share)} of its values are the same for every image"
                       + (f" ({_pct(zeros)} of them zero)" if zeros >= 0.01 else ""))
-    return still, origin
+    return still, origin, upto
 
 
 def lines_on_top(slopes: torch.Tensor, offsets: torch.Tensor, lo: float = -math.inf,

@@ -18,7 +18,7 @@ import signal
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,7 @@ class FitResult:
     best: float  # best validation accuracy (per character for sequences)
     speed: Speed
     stopped: str  # "finished", "early-stopped"
+    model: torch.nn.Module | None = field(default=None, repr=False)  # the model given (or built by name), trained
 
     def __repr__(self) -> str:  # what a notebook cell shows: the outcome, not every epoch's dict
         last = self.history[-1] if self.history else {}
@@ -64,32 +65,40 @@ def _model_and_name(model) -> tuple[torch.nn.Module, str]:
         raise TrainfastError(str(e)) from None
 
 
-def check_fits(model: torch.nn.Module, pk: Pack) -> int:
+def check_fits(model: torch.nn.Module, pk: Pack, say=None) -> int:
     """The pack's images and labels must be what the model takes and predicts: checked with one
     forward pass of two of the pack's images (on the model's device, in eval mode, no gradient), which also
-    materialises lazy modules (nn.LazyLinear) before an optimizer needs their parameters."""
+    materialises lazy modules (nn.LazyLinear) before an optimizer needs their parameters. `say`
+    is told which part of the output is trained on where the model returns more than logits,
+    and of a head wider than the pack's classes. Returns the classes per prediction that the
+    data has (the loss watch's chance level is ln of this)."""
     h, w, c = pk.shape
     want = getattr(model, "input_shape", None)
     if want is not None and tuple(want) != (c, h, w):
         raise TrainfastError(f"{pk.path} holds {c}×{h}×{w} images; the model takes {'×'.join(map(str, want))}")
-    out = model_output(model, pk)
+    out = model_output(model, pk, say)
     need = pk.sequence_length
+    classes = len(pk.alphabet) if need else len(pk.classes or [])
     if need:
-        if out.dim() != 3 or out.shape[1] != need or out.shape[2] < len(pk.alphabet):
-            raise TrainfastError(f"{pk.path} has sequence labels ({need} × {len(pk.alphabet)} characters); the model "
+        if out.dim() != 3 or out.shape[1] != need or out.shape[2] < classes:
+            raise TrainfastError(f"{pk.path} has sequence labels ({need} × {classes} characters); the model "
                                  f"predicts {'×'.join(map(str, out.shape[1:]))} per image: it needs "
-                                 f"(N, {need}, {len(pk.alphabet)}) logits")
-    elif out.dim() != 2 or out.shape[1] < len(pk.classes or []):
-        raise TrainfastError(f"{pk.path} has {len(pk.classes or [])} classes; the model predicts "
-                             f"{'×'.join(map(str, out.shape[1:]))} per image: it needs (N, {len(pk.classes or [])}) "
-                             "logits (the last layer's width)")
-    return int(out.shape[-1])  # classes per prediction: the loss watch's chance level is ln of this
+                                 f"(N, {need}, {classes}) logits")
+    elif out.dim() != 2 or out.shape[1] < classes:
+        raise TrainfastError(f"{pk.path} has {classes} classes; the model predicts "
+                             f"{'×'.join(map(str, out.shape[1:]))} per image: it needs (N, {classes}) "
+                             "logits (the last layer's width, e.g. num_classes=" + str(classes) + ")")
+    if out.shape[-1] > classes and say is not None:
+        say(f"note: the model predicts {out.shape[-1]} classes and {pk.path} has {classes}: the other "
+            f"{out.shape[-1] - classes} outputs are trained toward never; a head of {classes} "
+            f"(num_classes={classes}) is the usual fit")
+    return classes or int(out.shape[-1])
 
 
-def model_output(model: torch.nn.Module, pk: Pack) -> torch.Tensor:
-    """The model's output for two of the pack's images, or one line saying why there is none."""
+def model_output(model: torch.nn.Module, pk: Pack, say=None) -> torch.Tensor:
+    """The model's logits for two of the pack's images, or one line saying why there are none."""
     x = torch.from_numpy(np.stack([pk.image(i) for i in range(min(2, len(pk)))])).permute(0, 3, 1, 2).float() / 255
-    return _step.first_forward(model, x, f"{pk.path}'s images")
+    return _step.first_forward(model, x, f"{pk.path}'s images", say)
 
 
 def _optimizer(params, cfg: TrainConfig, lr: float, device: torch.device):
@@ -345,6 +354,7 @@ class _Run:
         from tqdm.auto import tqdm
 
         state, loader, speed, cfg = self.state, self.loader, self.speed, self.cfg
+        self.trained.train()  # a model handed over in eval mode trains in training mode (batch norm, dropout)
         if loader.position == 0:
             loader.set_epoch(epoch)
         started, done_before, steps = time.perf_counter(), loader.position, len(loader)
@@ -721,8 +731,29 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
             raise TrainfastError("resume=True needs the run_dir to resume")
         saved = read_run_config(run_dir)
         cfg = TrainConfig(**saved["train"])
-    with _determinism(cfg.deterministic):
+    # NOTE: the caller's random streams are put back: the CPU's, and the current GPU's where CUDA
+    # is in use already (forking every GPU's would start CUDA on each, in each torchrun process).
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with _determinism(cfg.deterministic), torch.random.fork_rng(devices=cuda):
         return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, tune, progress, log)
+
+
+def _working_copy(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `net`'s module tree that holds `net`'s own parameter and buffer tensors:
+    training it trains `net` (optimizers and batch-norm update those tensors in place), while
+    the speed rewrites, which reorder, replace or reconfigure modules, change only the copy.
+    So the user's model object keeps its module tree, its classes and its mode."""
+    shared = {id(t): t for t in (*net.parameters(), *net.buffers())}
+    return copy.deepcopy(net, memo=shared)
+
+
+def _given_back(user: torch.nn.Module) -> None:
+    """The user's model as it was given, but trained: its 4-D weights in the default memory
+    layout again (channels_last trains them in place; the values are the same)."""
+    with torch.no_grad():
+        for p in user.parameters():
+            if p.dim() == 4 and not p.is_contiguous():
+                p.data = p.data.contiguous()
 
 
 def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, saved, tune, progress, log):
@@ -736,7 +767,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         raise TrainfastError(str(e)) from None
     train_pk, pin = _training_pack(train, pin, say=log)
     val_pk = None if val is None else _training_pack(val, None, say=log, what="val")[0]
-    width = check_fits(net, train_pk)
+    classes = check_fits(net, train_pk, say=log)
     if val_pk is not None:
         check_fits(net, val_pk)
         a, b = sorted((val_pk.classes or [], train_pk.classes or []), key=len)
@@ -746,6 +777,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                                  "compare mismatched labels")
     world = distributed.setup(dev)  # after the checks: a bad input stops every rank before any waits for the others
     dev = world.device
+    given = net.to(dev)  # trained in place: its parameters and buffers live on the device from here
+    net = _working_copy(given)
     say = log if world.is_main else (lambda *a, **k: None)
     run_dir = Path(run_dir or f"runs/{_dir_name(name)}-{time.strftime('%Y%m%d-%H%M%S')}")
     if world.is_main and not resume:
@@ -842,7 +875,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     stopped = "early-stopped"
                     say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
                     break
-                watch = (state["losses"], cfg.epochs, width, lr)
+                watch = (state["losses"], cfg.epochs, classes, lr)
                 if cfg.loss_watch and loss_watch(*watch, [], state["step"], acc=state.get("last_acc")):
                     findings, frozen = _findings(net, train_pk, loader.batch(0, epoch=epoch)[0])
                     why = loss_watch(*watch, findings, state["step"], frozen, acc=state.get("last_acc"))
@@ -857,7 +890,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
             say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
         raise
     finally:
+        _given_back(given)
         with contextlib.suppress(Exception):  # the figure is not worth hiding why a run stopped
             run.plot(force=True)
         distributed.barrier(world)
-    return FitResult(run_dir, log_csv.rows, state["best"], speed, stopped)
+    return FitResult(run_dir, log_csv.rows, state["best"], speed, stopped, given)

@@ -25,16 +25,20 @@ def import_libraries():
     NOTE: PyPI's torchvision wheels are CUDA builds; beside a CPU-only torch their compiled ops
     (torchvision::nms, roi_align ...) do not load, and `import torchvision` fails registering
     fake kernels for them in torchvision._meta_registrations. The classification models are
-    pure Python and need none of those ops, so where the ops are missing that one module is
-    replaced by an empty one before the import. Where torchvision matches torch, nothing is
-    replaced."""
-    try:
-        import torch
-        torch.ops.torchvision.nms  # noqa: B018 - raises where torchvision's ops are not loaded
-        ops_loaded = True
-    except (AttributeError, RuntimeError):
-        ops_loaded = False
-    if not ops_loaded and "torchvision" not in sys.modules:
+    pure Python and need none of those ops, so where a CUDA build of torchvision meets a
+    CPU-only torch, that one module is replaced by an empty one before the import. Where
+    torchvision matches torch, nothing is replaced."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None:
+        return None, None
+    version = Path(spec.submodule_search_locations[0], "version.py")
+    built_for_cuda = "+cu" in (version.read_text() if version.is_file() else "")
+    if built_for_cuda and torch.version.cuda is None and "torchvision" not in sys.modules:
         sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
     try:
         import torchvision

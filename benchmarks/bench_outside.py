@@ -1,0 +1,158 @@
+"""Models nobody here wrote (torchvision, timm): `trainfast.fit` with its defaults against the
+plain loop their users would write, from the same initial weights, side by side in one run.
+
+    python benchmarks/bench_outside.py [--only tv_resnet18 timm_vit_tiny_32] [--epochs 5] [--json out.json]
+
+  fit    trainfast.fit(model, train, test, epochs=N, device="cpu") and nothing else, with an
+         empty trainfast cache (its tune is paid as a first run pays it)
+  plain  AdamW (lr 1e-3, torch's default weight decay), fp32, batch 64, shuffled, the same
+         epochs; model.train() each epoch, held-out accuracy after each
+
+Data: scikit-learn's digits at 32×32 RGB, 80/20 split (1,437 / 360 images). Reported per
+model: held-out accuracy at the end on each side; the wall time (from the call, setup and
+tuning included, each epoch's evaluation too) until the held-out accuracy first reaches the
+plain loop's final one, on each side; median training images/s. The two sides alternate per
+model, plain first, so that a slow spell of a shared machine falls on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import outside_models  # noqa: E402
+
+
+def _digits(tmp: Path):
+    import trainfast
+    from trainfast.datasets.digits import load_digits, split
+
+    x, y, _ = load_digits(32)
+    xtr, ytr, xte, yte = split(x, y, 0.2, seed=0)
+    return (trainfast.pack((xtr, ytr), tmp / "train", size=(32, 32), progress=False, overwrite=True),
+            trainfast.pack((xte, yte), tmp / "test", size=(32, 32), progress=False, overwrite=True))
+
+
+def _arrays(pk):
+    x = torch.from_numpy(np.stack([pk.image(i) for i in range(len(pk))])).permute(0, 3, 1, 2).contiguous()
+    return x, torch.from_numpy(np.array(pk.labels, dtype=np.int64))
+
+
+def _accuracy(net, x, y) -> float:
+    from trainfast.step import logits_of
+
+    net.eval()
+    with torch.no_grad():
+        right = sum(int((logits_of(net(x[i:i + 256].float() / 255)).argmax(-1) == y[i:i + 256]).sum())
+                    for i in range(0, len(x), 256))
+    net.train()
+    return right / len(y)
+
+
+def plain(net, train, test, epochs: int, seed: int = 0) -> dict:
+    """The loop a user writes: AdamW 1e-3, fp32, batch 64, reshuffled each epoch."""
+    from trainfast.step import logits_of
+
+    start = time.perf_counter()
+    xtr, ytr = _arrays(train)
+    xte, yte = _arrays(test)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    accs, at, rates = [], [], []
+    for _ in range(epochs):
+        net.train()
+        t = time.perf_counter()
+        order = torch.randperm(len(xtr), generator=g)
+        for i in range(0, len(order) - 63, 64):
+            idx = order[i:i + 64]
+            loss = torch.nn.functional.cross_entropy(logits_of(net(xtr[idx].float() / 255)), ytr[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        rates.append(len(order) // 64 * 64 / (time.perf_counter() - t))
+        accs.append(_accuracy(net, xte, yte))
+        at.append(time.perf_counter() - start)
+    return {"acc": accs, "at": at, "images_per_s": statistics.median(rates)}
+
+
+def with_fit(net, train, test, epochs: int, cache: Path) -> dict:
+    import trainfast
+
+    os.environ["TRAINFAST_CACHE"] = str(cache)  # empty: the tune is paid as a first run pays it
+    start, at, lines = time.perf_counter(), [], []
+
+    def log(msg):
+        lines.append(str(msg))
+        if str(msg).startswith("epoch "):
+            at.append(time.perf_counter() - start)
+    try:
+        r = trainfast.fit(net, train, test, epochs=epochs, device="cpu", run_dir=cache / "run", progress=False,
+                          log=log)
+    except trainfast.TrainfastError as e:
+        return {"error": str(e), "acc": [], "at": [], "images_per_s": None, "log": lines}
+    return {"acc": [row["val_acc"] for row in r.history], "at": at, "log": lines, "speed": r.speed.label(),
+            "images_per_s": statistics.median(row["images_per_s"] for row in r.history)}
+
+
+def time_to(side: dict, target: float) -> float | None:
+    return next((t for a, t in zip(side["acc"], side["at"]) if a >= target - 1e-9), None)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", help="panel members to run (default: all)")
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    a = ap.parse_args(argv)
+    tv, timm = outside_models.import_libraries()
+    if tv is None or timm is None:
+        raise SystemExit("needs torchvision and timm (pip install timm)")
+    names = a.only or list(outside_models.PANEL)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        train, test = _digits(tmp)
+        print(f"torch {torch.__version__}, torchvision {tv.__version__}, timm {timm.__version__}; "
+              f"{torch.get_num_threads()} threads; digits 32×32: {len(train)} train, {len(test)} test; "
+              f"{a.epochs} epochs", flush=True)
+        head = (f"{'model':28s} {'plain acc':>9s} {'fit acc':>8s} {'plain to it':>11s} {'fit to it':>9s} "
+                f"{'time ratio':>10s} {'plain img/s':>11s} {'fit img/s':>9s}  fit chose")
+        print(head, flush=True)
+        for name in names:
+            torch.manual_seed(0)
+            first = outside_models.PANEL[name](10)
+            state = copy.deepcopy(first.state_dict())
+            p = plain(first, train, test, a.epochs)
+            again = outside_models.PANEL[name](10)
+            again.load_state_dict(state)  # the same initial weights on both sides
+            f = with_fit(again, train, test, a.epochs, tmp / f"cache-{name}")
+            target = p["acc"][-1]
+            tp, tf = time_to(p, target), time_to(f, target)
+            ratio = f"{tf / tp:.2f}×" if tf and tp else "never" if tp else "—"
+            results[name] = {"plain": p, "fit": f, "target": target, "plain_s": tp, "fit_s": tf}
+            fit_acc = f"{f['acc'][-1]:.1%}" if f["acc"] else "error"
+            rate = f"{f['images_per_s']:.0f}" if f["images_per_s"] else "—"
+            print(f"{name:28s} {target:9.1%} {fit_acc:>8s} {tp:10.1f}s {(f'{tf:.1f}s' if tf else '—'):>9s} "
+                  f"{ratio:>10s} {p['images_per_s']:11.0f} {rate:>9s}  {f.get('speed', f.get('error', ''))[:90]}",
+                  flush=True)
+    ok = [n for n, r in results.items() if r["fit"]["acc"] and r["fit"]["acc"][-1] >= r["target"] - 0.01]
+    faster = [n for n, r in results.items() if r["fit_s"] is not None and r["fit_s"] <= r["plain_s"]]
+    print(f"fit's held-out accuracy ≥ the plain loop's − 1 point: {len(ok)} of {len(results)}; "
+          f"at the plain loop's final accuracy no later than it: {len(faster)} of {len(results)}")
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

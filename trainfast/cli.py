@@ -229,7 +229,8 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--tune-share", type=float, default=0.1,
                     help="the most of the planned training time tuning may take (default: 0.1; 0: no bound)")
     tr.add_argument("--no-loss-watch", action="store_true",
-                    help="train on even when the loss stays at chance (ln K) after max(2, 30%%) of the epochs, or diverges")
+                    help="train on, without a word, when the loss stays at chance (ln K) after max(2, 30%%) of the "
+                         "epochs with every output frozen, or diverges (default: stop, and say why)")
     tr.add_argument("--device", default=None,
                     help="cpu, cuda or cuda:N (default: cuda if available; under torchrun, cuda:LOCAL_RANK)")
     tr.add_argument("--no-tune", action="store_true", help="do not tune; use fp32 defaults or what is pinned")

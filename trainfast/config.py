@@ -161,7 +161,8 @@ class TrainConfig:
     tune_share: float = 0.1
     """The most of the planned training time that tuning may take (0: no bound)."""
     loss_watch: bool = True
-    """Stop a run whose training loss has not left chance (ln K) after max(2, 30%) of its epochs, or that diverges."""
+    """Say so when the training loss has not left chance (ln K) after max(2, 30%) of the epochs, or diverges; stop
+    the run where going on cannot help (a diverging loss, or every output frozen)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -596,6 +596,11 @@ def _findings(net, pk: Pack, x: torch.Tensor) -> tuple[list[str], bool]:
         return found, frozen
 
 
+def diverging(losses: list[float], classes: int) -> bool:
+    """The epochs' training losses climb: the last is over DIVERGED× the first, and over ln K."""
+    return len(losses) >= 2 and losses[-1] > DIVERGED * losses[0] and losses[-1] > math.log(max(classes, 2))
+
+
 def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findings: list[str],
                steps: int = STUCK_STEPS, frozen: bool = False, acc: float | None = None) -> str | None:
     """Why the run should stop, in words, or None. `losses`: training loss per epoch so far;
@@ -614,14 +619,15 @@ def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findin
     chance, last, n = math.log(classes), losses[-1], len(losses)
     hint = (" The doctor's findings about this model: " +
             "; ".join(f"({i}) {f}" for i, f in enumerate(findings, 1)) + ".") if findings else ""
-    if n >= 2 and last > DIVERGED * losses[0] and last > chance:
+    if diverging(losses, classes):
         return (f"the training loss is diverging: {losses[0]:.3f} after epoch 1, {last:.3f} after epoch {n}. "
                 f"The learning rate ({lr:.3g}) is likely too high: try --lr {lr / 10:.2g}, or --clip 1.{hint}")
     learning = (n >= 2 and last < STILL_FALLING * losses[-2]) or (acc is not None and acc >= ABOVE_CHANCE / classes)
     if n >= max(2, math.ceil(STUCK_SHARE * epochs)) and steps >= STUCK_STEPS and last >= (1 - STUCK_MARGIN) * chance \
             and not learning:
-        why = ("its output no longer depends on its input, so another learning rate would not help; the "
-               "model's structure is the cause" if frozen else
+        why = ("its output no longer depends on its input, and no gradient reaches the layers before that, so no "
+               "learning rate can revive it now; the model's structure is the cause, or a rate too high early on "
+               "(units that die stay dead)" if frozen else
                f"the learning rate ({lr:.3g}) may be too low (try --lr {lr * 10:.2g}) or too high "
                f"(--lr {lr / 10:.2g}), or the model cannot carry what the task needs")
         return (f"the training loss has not left chance after {n} of {epochs} epochs: {last:.3f}, where predicting "
@@ -867,6 +873,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                train_pk.sequence_length is not None, (len(log_csv.rows), time.perf_counter()))
     stopped, epoch = "finished", state["epoch"]
     interrupts = _Interrupts(world.is_main)
+    warned = False  # the loss watch's warning for a run that is stuck but not hopeless: once
     try:
         with interrupts:
             while state["epoch"] < cfg.epochs:
@@ -879,9 +886,16 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                 if cfg.loss_watch and loss_watch(*watch, [], state["step"], acc=state.get("last_acc")):
                     findings, frozen = _findings(net, train_pk, loader.batch(0, epoch=epoch)[0])
                     why = loss_watch(*watch, findings, state["step"], frozen, acc=state.get("last_acc"))
-                    if state["epoch"] < cfg.epochs:  # epochs left: stop rather than spend them
+                    # Stopped only where going on cannot help: every output frozen, or a climbing loss.
+                    # A model whose gradients still flow may leave chance late (a ViT on digits at
+                    # epoch 4 of 5): it is told once, and trains on.
+                    hopeless = frozen or diverging(state["losses"], classes)
+                    if hopeless and state["epoch"] < cfg.epochs:  # epochs left: stop rather than spend them
                         raise TrainfastError(f"{why} Stopped; the run so far is in {run_dir}.")
-                    say(f"warning: {why}")
+                    if hopeless or not warned:
+                        say(f"warning: {why}" + ("" if hopeless or state["epoch"] >= cfg.epochs else
+                                                 " Its output still depends on its input, so it trains on."))
+                        warned = True
     except KeyboardInterrupt:
         if interrupts.torn:  # a second Ctrl-C mid-step: weights and position may disagree; keep the last save
             say(f"\ninterrupted mid-step; the last checkpoint {run_dir / 'last.pt'} is from before it")

@@ -34,6 +34,7 @@ SUITE = {  # name: benchmarks/bench_SCRIPT.py and its arguments
     "quality": ("quality", []),
     "defaults": ("defaults", []),
     "race": ("race", []),
+    "outside": ("outside", []),  # 18 torchvision/timm models, fit's defaults against a plain loop (~15 min)
 }
 
 

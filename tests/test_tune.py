@@ -287,3 +287,34 @@ def test_tune_checks_its_input_and_takes_a_pack(monkeypatch, digits_packs):
     r = tune(lazy, train, device="cpu", measure=_fake(tried), try_compile=False, retune=True, log=lambda m: None)
     assert max(s.batch_size for s in tried) == 32 and r.best.batch_size <= 32
     assert tuple(lazy[3].weight.shape) == (4, 8 * 32 * 32)  # materialised by the first forward
+
+
+def test_a_standalone_tune_is_bounded_and_takes_the_data_size(monkeypatch):
+    """Without fit's budget, tune stops after STANDALONE_S; given the training images it tries
+    only batches that leave fit's 32 steps per epoch (1,000 images: at most 16)."""
+    tried = []
+    r = tune(_net(), (3, 8, 8), device="cpu", images=1000, measure=_fake(tried), retune=True, log=lambda m: None)
+    assert r.budget_s == tune_mod.STANDALONE_S
+    assert max(s.batch_size for s in tried) == 16 and r.best.batch_size <= 16
+
+
+def test_the_soundness_loss_is_measured_on_the_same_images_at_every_batch():
+    """Each batch size used to draw its own random labels: a fast setting at another batch was
+    'rejected' for a loss that only differed by its labels (ConvNeXt: 2.4657 vs 2.3192)."""
+    from trainfast.config import Speed
+
+    net, cpu = _net(), torch.device("cpu")
+    a = tune_mod.measure_trial(net, (3, 8, 8), (4,), Speed(batch_size=8), cpu, steps=1, min_seconds=0)
+    b = tune_mod.measure_trial(net, (3, 8, 8), (4,), Speed(batch_size=64), cpu, steps=1, min_seconds=0)
+    assert a.loss is not None and a.loss == b.loss
+
+
+def test_rewrites_that_match_nothing_are_not_timed():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(8, 4))
+    tried = []
+    tune(net, (3, 8, 8), device="cpu", measure=_fake(tried), retune=True, log=lambda m: None)
+    assert tried and not any(s.rewrites for s in tried)  # a "+ rewrites" timing would time the same model
+    tried.clear()
+    tune(_net(), (3, 8, 8), device="cpu", measure=_fake(tried), retune=True, log=lambda m: None)
+    assert any(s.rewrites for s in tried)  # _net's ReLU after a convolution can be made in place

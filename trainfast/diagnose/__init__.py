@@ -256,8 +256,7 @@ def _output_shape(net, shape, dev) -> tuple:
     out = getattr(net, "output_shape", None)
     if out is not None:
         return tuple(out)
-    with torch.no_grad():
-        return tuple(copy.deepcopy(net).eval()(torch.zeros((1, *shape))).shape[1:])
+    return tuple(_step.first_forward(copy.deepcopy(net), torch.zeros((2, *shape)), f"inputs of shape {shape}").shape[1:])
 
 
 def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recommendation]:

@@ -61,3 +61,17 @@ def test_tune_takes_a_time_bound_and_lists_what_it_left_out(small_net_file, caps
     with pytest.raises(SystemExit) as e:
         main(["tune", "--model", "cifar_cnn", "--max-seconds", "0"])
     assert e.value.code == ExitStatus.USAGE and "positive number of seconds" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(digits_packs, monkeypatch, capsys):
+    """`trainfast info PACK | head -1`: the pipe closes, and the command ends quietly."""
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+    train, _ = digits_packs
+    monkeypatch.setattr("sys.stdout", Closed())
+    assert main(["info", str(train.path)]) == 1
+    assert "Traceback" not in capsys.readouterr().err

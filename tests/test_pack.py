@@ -403,3 +403,41 @@ def test_jpegs_already_at_the_packs_size_keep_their_bytes(tmp_path):
         assert pk.image(i).shape == (16, 24, 3)
     again = trainfast.pack(tmp_path / "src", tmp_path / "q", size=(16, 24), encoding="jpeg", quality=85, progress=False)
     assert (again.path / "jpeg.npy").read_bytes() == (pk.path / "jpeg.npy").read_bytes()
+
+
+def test_files_that_are_not_files_are_skipped_unread(tmp_path):
+    """A FIFO named like an image (opening it would wait for a writer for ever), a link to
+    /dev/zero (endless), a file larger than any image could be (a 2 GB sparse file was read
+    whole): each skipped with its reason before a byte is read; links out of the source are
+    not followed."""
+    from trainfast.data import pack as pack_mod
+    from trainfast.data.decode import DecodeError
+
+    root = write_images(tmp_path / "photos", per_class=3)
+    os.mkfifo(root / "cat" / "pipe.png")
+    os.symlink("/dev/zero", root / "dog" / "zero.png")
+    with open(root / "dog" / "huge.jpg", "wb") as f:
+        f.truncate(pack_mod.MAX_INPUT_BYTES + 1)  # sparse: no disk used
+    os.symlink(root / "cat" / "000.jpg", root / "dog" / "inside.jpg")  # a link within the source is fine
+    pk = trainfast.pack(root, tmp_path / "out", size=(16, 16), progress=False)
+    reasons = {s["input"]: s["reason"] for s in json.loads((tmp_path / "out" / "skipped.json").read_text())}
+    assert len(pk) == 7 and set(reasons) == {"cat/pipe.png", "dog/zero.png", "dog/huge.jpg"}
+    assert "FIFO" in reasons["cat/pipe.png"] and "outside the source" in reasons["dog/zero.png"]
+    assert "more than any image" in reasons["dog/huge.jpg"]
+    with pytest.raises(DecodeError, match="it is a device"):
+        pack_mod._read("/dev/zero")  # named directly (in a CSV, say): refused by what it is
+
+
+def test_a_class_folder_linking_out_of_the_source_is_refused(tmp_path):
+    root = write_images(tmp_path / "photos", per_class=2)
+    os.symlink("..", root / "loop")
+    with pytest.raises(TrainfastError, match=r"loop: a class folder that is a link to .*outside"):
+        trainfast.pack(root, tmp_path / "out", size=(16, 16), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_class_folder_name_that_is_not_utf8_packs(tmp_path):
+    root = write_images(tmp_path / "photos", per_class=2)
+    os.rename(root / "cat", os.path.join(os.fsencode(root), b"caf\xe9"))  # Latin-1 bytes, not UTF-8
+    pk = trainfast.pack(root, tmp_path / "out", size=(16, 16), progress=False)
+    assert len(pk) == 4 and pk.classes == [os.fsdecode(b"caf\xe9"), "dog"]

@@ -184,3 +184,10 @@ def test_arrays_refused_in_one_line_that_says_the_fix():
         from_arrays(np.full((4, 8, 8, 3), 1000, np.int32), [0, 1, 0, 1])
     with pytest.raises(TrainfastError, match="mix strings with int"):
         from_arrays(x, np.array(["a", 1, "b", 2], dtype=object))
+
+
+def test_a_path_listed_twice_with_two_labels_is_an_error_naming_both_rows(tmp_path):
+    (tmp_path / "labels.csv").write_text("path,label\na.png,cat\nb.png,dog\n./a.png,dog\nb.png,dog\n")
+    with pytest.raises(TrainfastError, match=r"a.png is listed twice with different labels \(labels.csv:2: 'cat', "
+                                             r"labels.csv:4: 'dog'\)"):
+        from_csv(tmp_path / "labels.csv")

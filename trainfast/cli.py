@@ -522,3 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"trainfast {args.command}: interrupted", file=sys.stderr)
         return int(ExitStatus.INTERRUPTED)
+    except BrokenPipeError:  # `trainfast info … | head -1`: the reader left; nothing more to say to it
+        if argv_is_the_command_line:  # and Python's own flush at exit must not find the broken pipe either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return int(ExitStatus.ERROR)

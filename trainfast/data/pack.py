@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -409,10 +410,18 @@ def _task(src: Source, index: int, positions: np.ndarray, cfg: PackConfig, chunk
     return task
 
 
+# The largest file a valid input can be: Pillow refuses images over twice MAX_IMAGE_PIXELS as
+# decompression bombs, and the widest uncompressed pixel it reads is 8 bytes (16-bit RGBA); 1 MiB
+# more for headers. A larger file is refused before it is read (a 2 GB sparse file was read whole).
+MAX_INPUT_BYTES = 2 * 89_478_485 * 8 + 2**20
+
+
 def _read(path: str) -> bytes:
+    """An input file's bytes; a DecodeError with the reason for anything that is not a regular
+    file of a size an image could have. A FIFO, device or socket is refused before a byte is
+    read (opening a FIFO for reading blocks until a writer comes: it is opened non-blocking)."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise _decode.DecodeError("file not found") from None
     except IsADirectoryError:
@@ -421,6 +430,27 @@ def _read(path: str) -> bytes:
         raise _decode.DecodeError("unreadable: permission denied") from None
     except OSError as e:
         raise _decode.DecodeError(f"unreadable ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise _decode.DecodeError("unreadable: it is a folder, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            mode = st.st_mode
+            kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or
+                    stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+            raise _decode.DecodeError(f"not read: it is {kind}, not an image file")
+        if st.st_size > MAX_INPUT_BYTES:
+            raise _decode.DecodeError(f"not read: {st.st_size:,} bytes, more than any image trainfast decodes "
+                                      f"({MAX_INPUT_BYTES:,})")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_INPUT_BYTES + 1)
+    except OSError as e:
+        raise _decode.DecodeError(f"unreadable ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_INPUT_BYTES:  # it grew while being read
+        raise _decode.DecodeError(f"not read: more than {MAX_INPUT_BYTES:,} bytes")
+    return data
 
 
 def _build_chunk(task: dict) -> dict:

@@ -55,7 +55,7 @@ class Source:
         h.update(f"{self.kind}\0{len(self.keys)}\0".encode())
         h.update("\0".join(self.keys).encode("utf-8", "surrogateescape"))
         h.update(np.ascontiguousarray(self.labels).tobytes())
-        h.update("\0".join(self.classes or []).encode() + (self.alphabet or "").encode())
+        h.update("\0".join(self.classes or []).encode("utf-8", "surrogateescape") + (self.alphabet or "").encode())
         if self.array is not None:
             h.update(memoryview(np.ascontiguousarray(self.array)).cast("B"))
         return h.hexdigest()
@@ -100,16 +100,31 @@ def from_folder(root) -> Source:
     Class names are the subfolder names, sorted; images are found recursively inside them.
     """
     root = Path(root)
+    inside = root.resolve()
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as e:
+        _unreadable_folder(e)
     # A pack inside the folder (an older trainfast allowed OUT there) is not a class.
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")
-                     and not ((d / "meta.json").is_file() and (d / "labels.npy").is_file()))
-    keys, labels = [], []
+    classes = [d.name for d in entries if d.is_dir() and not d.name.startswith(".")
+               and not ((d / "meta.json").is_file() and (d / "labels.npy").is_file())]
+    for name in classes:  # a class folder that links out of the source (loop -> ..) would pack what is not in it
+        target = (root / name).resolve()
+        if (root / name).is_symlink() and (target == inside or inside not in target.parents):
+            raise TrainfastError(f"{root / name}: a class folder that is a link to {target}, outside {root}; "
+                                 "trainfast does not follow links out of the source (copy or move the images in)")
+    keys, labels, skipped = [], [], []
     for index, name in enumerate(classes):
         for dirpath, dirnames, filenames in os.walk(root / name, onerror=_unreadable_folder):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
             for fn in sorted(filenames):
                 if fn.lower().endswith(IMAGE_EXTENSIONS) and not fn.startswith("."):
-                    keys.append(os.path.relpath(os.path.join(dirpath, fn), root))
+                    path = os.path.join(dirpath, fn)
+                    key = os.path.relpath(path, root)
+                    if os.path.islink(path) and inside not in Path(path).resolve().parents:
+                        skipped.append((key, f"a link to {Path(path).resolve()}, outside the source: not followed"))
+                        continue
+                    keys.append(key)
                     labels.append(index)
             # A folder named like an image (x.jpg/) is an unreadable input, not a subfolder.
             for d in list(dirnames):
@@ -127,7 +142,7 @@ def from_folder(root) -> Source:
                              f"its labels are likely in {csvs[0]}: give that CSV as the source "
                              f"(--label-column names its label column)")
     return Source("folder", str(root), keys, np.asarray(labels, np.int64), classes=classes,
-                  files=[str(root / k) for k in keys])
+                  files=[str(root / k) for k in keys], skipped=skipped)
 
 
 def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="auto",
@@ -174,6 +189,13 @@ def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="
             skipped.append((where, "empty path" if not path else "empty label"))
             continue
         rows.append((path, label, where))
+    first_row: dict[str, tuple[str, str]] = {}
+    for path, label, where in rows:  # one image with two labels: both rows would be packed, maybe split apart
+        key = os.path.normpath(path)
+        if key in first_row and first_row[key][1] != label:
+            raise TrainfastError(f"{csv_path}: {path} is listed twice with different labels "
+                                 f"({first_row[key][0]}: {first_row[key][1]!r}, {where}: {label!r}); keep one row")
+        first_row.setdefault(key, (where, label))
     if not rows:
         raise TrainfastError(f"{csv_path}: no usable rows" + (f" ({skipped[0][0]}: {skipped[0][1]})" if skipped else ""))
 

@@ -75,3 +75,10 @@ def test_a_reader_that_leaves_early_gets_no_traceback(digits_packs, monkeypatch,
     monkeypatch.setattr("sys.stdout", Closed())
     assert main(["info", str(train.path)]) == 1
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--steps", "0"], ["--steps", "-3"], ["--batch-size", "2.5"], ["--seconds", "0"]])
+def test_doctor_counts_must_be_positive(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--model", "cifar_cnn", "--data", "x.pack", *args])
+    assert e.value.code == 2 and args[0] in capsys.readouterr().err  # argparse's one line, naming the option

@@ -62,6 +62,16 @@ def _size3(text: str) -> tuple[int, int, int]:
     return _dims(text, 3, "3x32x32")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 1")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -139,10 +149,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     dr.add_argument("--model", help="built-in name or file.py:function")
     dr.add_argument("--data", help="a pack, an image folder or a CSV")
-    dr.add_argument("--batch-size", type=int, default=64, help="images per step (default: 64)")
-    dr.add_argument("--steps", type=int, default=None,
+    dr.add_argument("--batch-size", type=_positive_int, default=64, help="images per step (default: 64)")
+    dr.add_argument("--steps", type=_positive_int, default=None,
                     help="timed steps after warm-up (default: 20; 50 for a script)")
-    dr.add_argument("--seconds", type=float, default=120.0,
+    dr.add_argument("--seconds", type=_positive_float, default=120.0,
                     help="script mode: stop the script after this long at most (default: 120)")
     dr.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     dr.add_argument("--precision", choices=PRECISIONS, default="fp32",

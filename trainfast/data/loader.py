@@ -21,6 +21,7 @@ transpose copy is ever made.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,10 @@ class _OnDevice:
 _uploaded: weakref.WeakValueDictionary[tuple, _OnDevice] = weakref.WeakValueDictionary()
 
 DECODE = ("auto", "cpu", "gpu")
+
+
+class GoesOnWarning(UserWarning):
+    """A loop over a Loader goes on from where an earlier loop was left (a break)."""
 
 
 def gpu_jpeg_decoder(device: torch.device, channels: int):
@@ -136,7 +141,8 @@ class Loader:
 
     Images come as (B, C, H, W) in channels_last memory; labels as int64 (B,) or (B, L).
     `len(loader)` is batches per epoch. Each `for` over the loader runs one epoch and then
-    moves to the next; `state_dict()` / `load_state_dict()` save and restore the position.
+    moves to the next; a `for` left early (break) is followed by the rest of that epoch, with a
+    warning that says so; `state_dict()` / `load_state_dict()` save and restore the position.
     """
 
     _pool: ThreadPoolExecutor | None = None
@@ -176,6 +182,7 @@ class Loader:
         self.workers = workers or self._default_workers()
         self.prefetch = prefetch or self.workers + 2
         self.epoch, self.position = 0, 0  # position: batches of this epoch already yielded
+        self._left = False  # the last `for` was left before the epoch's end (a break)
         self._pin = self.device.type == "cuda"
         self._labels = np.array(self.pack.labels)  # small: keep in memory
         self._images = None if self.pack.images is None else np.asarray(self.pack.images)  # plain ndarray view
@@ -288,20 +295,31 @@ class Loader:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._left = False  # the next `for` resumes at this position
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.position = epoch, 0
+        self.epoch, self.position, self._left = epoch, 0, False
 
     # -- iteration ----------------------------------------------------------------------------
 
     def __iter__(self):
+        if self._left:  # a `for` after one that was left (a break): said once, not silently
+            warnings.warn(f"this Loader's last loop stopped at batch {self.position} of {len(self)} in epoch "
+                          f"{self.epoch}; this loop goes on from there (loader.set_epoch({self.epoch}) starts the "
+                          "epoch over)", GoesOnWarning, stacklevel=2)
+            self._left = False
         epoch, start = self.epoch, self.position
         idx = self.indices(epoch)
         batches = self._resident_batches(idx, start) if self.resident else self._host_batches(idx, start)
-        for k, (images, labels) in enumerate(batches, start):
-            out = self._finish(images, labels, epoch, k)
-            self.position = k + 1
-            yield out
+        done = False
+        try:
+            for k, (images, labels) in enumerate(batches, start):
+                out = self._finish(images, labels, epoch, k)
+                self.position = k + 1
+                yield out
+            done = True
+        finally:
+            self._left = not done
         self.epoch, self.position = epoch + 1, 0
 
     def _resident_batches(self, idx: np.ndarray, start: int):

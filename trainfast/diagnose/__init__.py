@@ -15,6 +15,7 @@ import copy
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from trainfast import hardware, models, units
 from trainfast import step as _step
 from trainfast.config import Speed
 from trainfast.data.format import Pack, is_pack
-from trainfast.data.loader import Loader
+from trainfast.data.loader import GoesOnWarning, Loader
 from trainfast.data.naive import PerImageBatches
 from trainfast.data.pack import is_arrays, pack_arrays
 from trainfast.data.sources import Source, open_source
@@ -184,7 +185,9 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
     except ValueError as e:
         raise TrainfastError(str(e)) from None
     if pk is not None or isinstance(batches, PerImageBatches):  # data that can be read twice
-        x = next(iter(batches))[0]
+        with warnings.catch_warnings():  # one batch taken and the loop left: the timing goes on from there
+            warnings.simplefilter("ignore", GoesOnWarning)
+            x = next(iter(batches))[0]
         cost.findings = measured_findings(copy.deepcopy(net).cpu().float(), x.cpu().float())[0] + cost.findings
     log(f"timing {steps} training steps on {described}…")
     with hardware.OtherLoad() as load:

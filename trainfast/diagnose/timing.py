@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 
 from trainfast import step as _step
 from trainfast.config import Speed
+from trainfast.data.loader import GoesOnWarning
 from trainfast.errors import TrainfastError
 
 STAGES = ("data", "copy", "forward", "backward", "optimizer", "other")
@@ -81,7 +83,9 @@ def _batches(data, need: int):
     it = iter(data)
     while got < need:
         try:
-            batch = next(it)
+            with warnings.catch_warnings():  # taking a few batches and leaving is what timing does
+                warnings.simplefilter("ignore", GoesOnWarning)
+                batch = next(it)
         except StopIteration:
             if it is data or got == 0:
                 raise TrainfastError(f"the data ran out after {got} batches; {need} are needed "

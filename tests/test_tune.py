@@ -296,6 +296,9 @@ def test_a_standalone_tune_is_bounded_and_takes_the_data_size(monkeypatch):
     r = tune(_net(), (3, 8, 8), device="cpu", images=1000, measure=_fake(tried), retune=True, log=lambda m: None)
     assert r.budget_s == tune_mod.STANDALONE_S
     assert max(s.batch_size for s in tried) == 16 and r.best.batch_size <= 16
+    fits = tune(_net(), (3, 8, 8), device="cpu", planned_images=10_000, budget_share=0.0, measure=_fake([]),
+                retune=True, log=lambda m: None)
+    assert fits.budget_s is None  # fit's tune with --tune-share 0: no bound, as documented
 
 
 def test_the_soundness_loss_is_measured_on_the_same_images_at_every_batch():

@@ -134,23 +134,30 @@ def to_device(x: torch.Tensor, y: torch.Tensor, speed: Speed, device: torch.devi
 LOGIT_KEYS = ("logits", "out", "output")  # a dict's (or a named tuple's) entry that holds the logits
 
 
-def logits_of(out):
-    """The logits in what a model returns: a tensor as it is; from a dict (or a Hugging
-    Face-style output), its "logits" ("out", "output") entry; from a named tuple, its `logits`
-    field (torchvision's GoogLeNet and Inception in training: logits and aux logits); from a
-    plain tuple or list, its first item where every item is a tensor of that shape (a main
-    output and its auxiliary copies). None where there is no obvious one."""
+def _logits_entry(out) -> tuple[str, torch.Tensor] | None:
+    """(which part, the logits) of what a model returns: a tensor as it is; from a dict (or a
+    Hugging Face-style output), its "logits" ("out", "output") entry; from a named tuple or an
+    object, its `logits` (torchvision's GoogLeNet and Inception in training: logits and aux
+    logits); from a plain tuple or list, its first item where every item is a tensor of that
+    shape (a main output and its auxiliary copies). None where there is no obvious one."""
     if isinstance(out, torch.Tensor):
-        return out
+        return "the tensor", out
     if isinstance(out, Mapping):
-        return next((out[k] for k in LOGIT_KEYS if isinstance(out.get(k), torch.Tensor)), None)
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
+        return next(((f"its {k!r} entry", out[k]) for k in LOGIT_KEYS if isinstance(out.get(k), torch.Tensor)), None)
+    if isinstance(getattr(out, "logits", None), torch.Tensor):
+        return "its 'logits'", out.logits
     if isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) and t.shape == out[0].shape
                                                        for t in out):
-        return out[0]
+        return "its first item", out[0]
     return None
+
+
+def logits_of(out) -> torch.Tensor | None:
+    """The logits in what a model returns (see _logits_entry), or None."""
+    if isinstance(out, torch.Tensor):  # the usual case, once per training step: no more than this
+        return out
+    found = _logits_entry(out)
+    return None if found is None else found[1]
 
 
 def describe_output(out) -> str | None:
@@ -158,22 +165,17 @@ def describe_output(out) -> str | None:
     tensor; None for a tensor. Raises TrainfastError where there is no obvious logits entry."""
     if isinstance(out, torch.Tensor):
         return None
-    kind = type(out).__name__
-    if isinstance(out, Mapping):
-        parts, key = list(out), next((k for k in LOGIT_KEYS if isinstance(out.get(k), torch.Tensor)), None)
-        what = f"its {key!r} entry"
-    else:
-        fields = getattr(out, "_fields", None)
-        parts = list(fields) if fields else ([f"item {i}" for i in range(len(out))]
-                                             if isinstance(out, (tuple, list)) else [])
-        what = "its 'logits'" if fields and "logits" in fields else "its first item"
+    kind, fields = type(out).__name__, getattr(out, "_fields", None)
+    parts = (list(out) if isinstance(out, Mapping) else list(fields) if fields else
+             [f"item {i}" for i in range(len(out))] if isinstance(out, (tuple, list)) else [])
     names = ", ".join(map(str, parts[:6])) + (", …" if len(parts) > 6 else "")
-    if logits_of(out) is None:
+    found = _logits_entry(out)
+    if found is None:
         raise TrainfastError(f"the model returns a {kind} ({names or 'no tensors'}) with no obvious logits: "
                              f"trainfast trains on one tensor of logits, (N, classes) or (N, positions, "
                              f"characters); return that, or a dict with a 'logits' entry")
     aux = " (auxiliary outputs are left out of the loss)" if len(parts) > 1 else ""
-    return f"the model returns a {kind} ({names}) in training: trainfast trains on {what}{aux}"
+    return f"the model returns a {kind} ({names}) in training: trainfast trains on {found[0]}{aux}"
 
 
 @contextlib.contextmanager

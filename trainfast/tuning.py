@@ -331,8 +331,9 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             out is reported. A search cut short is cached with its budget: a later tune whose
             budget is not larger (within 25%) reuses it, a larger one measures again.
         max_seconds: a bound on the tune's own time, from its start (the tighter of the two
-            bounds holds when both are given). With neither bound, STANDALONE_S (a torch.compile
-            alone can take minutes on a laptop CPU); what it leaves out is listed.
+            bounds holds when both are given). A tune not given planned_images (not fit's) is
+            bounded by STANDALONE_S unless this says otherwise (a torch.compile alone can take
+            minutes on a laptop CPU); what it leaves out is listed.
         try_compile: include torch.compile of the winner (slow to compile on CPU).
         try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
         measure: replaces measure_trial (tests inject a fake clock here).
@@ -347,7 +348,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     images = images or pack_images
     if images is not None:  # the data's images bound the batch as fit bounds it, unless the caller did
         max_batch = max_batch or min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(images))
-    if max_seconds is None and not (planned_images and budget_share):
+    if max_seconds is None and planned_images is None:  # not fit's tune (fit plans its images; tune_share 0: no bound)
         max_seconds = STANDALONE_S
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too

@@ -72,3 +72,17 @@ def test_the_demo_fills_its_time_budget_with_epochs():
     assert epochs == 17 and "17 epochs" in why and "5 minutes" in why
     assert budget_epochs(DemoConfig(), torch.device("cuda"), 70, 60_000)[0] == MIN_EPOCHS  # a GPU's minute is spent
     assert budget_epochs(DemoConfig(minutes=60), cpu, 60, 2000)[0] == MAX_EPOCHS
+
+
+def test_the_speed_comparison_is_left_out_when_other_processes_loaded_either_side():
+    from trainfast.demo import _speed_lines
+
+    s = {"other_cores": {"users_pipeline": 0.0, "training": 0.1}, "config": {"epochs": 10}, "trained_epochs": 10,
+         "planned_epochs": 10, "epoch_s": 20.0, "users_pipeline": {"epoch_s": 170.0}, "trainfast_train_s": 210.0,
+         "pack_s": 9.0}
+    quiet = _speed_lines(s, "skimage")
+    assert "20.0 s with trainfast, 170 s on the users' pipeline" in quiet[0] and "vs 1700 s" in quiet[1]
+    s["other_cores"]["training"], s["trained_epochs"] = 2.5, 7
+    busy = " ".join(_speed_lines(s, "skimage"))
+    assert "cut the run to 7 of the 10 planned epochs" in busy and "training: 2.5 of" in busy
+    assert "not compared" in busy and " vs " not in busy

@@ -476,3 +476,95 @@ class TupleNet(torch.nn.Module):
     def forward(self, x):
         out = self.fc(x.flatten(1))
         return out, x.flatten(1)  # logits and features: which is which is not for trainfast to guess
+
+
+def _other_load(monkeypatch, cores):
+    from trainfast import hardware
+
+    def exit_(self, *exc):
+        self.cores = cores() if callable(cores) else cores
+        return False
+    monkeypatch.setattr(hardware.OtherLoad, "__exit__", exit_)
+    for name in ("usable_cores", "physical_cores", "default_threads"):
+        monkeypatch.setattr(hardware, name, lambda: 2)
+
+
+def test_cpu_threads_follow_other_processes_load_epoch_by_epoch(digits_packs, tmp_path, monkeypatch):
+    """Busy at the start and in epoch 1, quiet in epoch 2: one thread for epochs 1-2, two again for
+    epoch 3; each change said, each epoch's load and threads in metrics.csv, torch's threads as
+    they were after."""
+    train, _ = digits_packs
+    loads = iter([1.0, 1.0, 0.0, 0.0])  # the start's sample, then one measurement per epoch
+    _other_load(monkeypatch, lambda: next(loads, 0.0))
+    torch.set_num_threads(2)
+    said = []
+    r = fit("cifar_cnn", train, config=TrainConfig(epochs=3), speed=Speed(batch_size=64), device="cpu",
+            run_dir=tmp_path / "run", progress=False, log=said.append)
+    assert [row["threads"] for row in r.history] == [1, 1, 2] and torch.get_num_threads() == 2
+    assert any(m.startswith("threads 2 → 1: other processes kept 1.0 of 2 cores busy at the start") for m in said)
+    assert any(m.startswith("threads 1 → 2: the machine is quieter") for m in said)
+    rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
+    assert [float(row["other_cores"]) for row in rows] == [1.0, 0.0, 0.0]
+
+
+def test_a_time_budget_shortens_the_run_and_a_resume_keeps_the_shorter_plan(digits_packs, tmp_path, monkeypatch):
+    """Each epoch takes 10 s of a fake clock and the budget is 35 s: after epoch 1 only two more
+    fit, so the run plans 3 of its 6 epochs, its learning rate annealed to the end; resumed after
+    epoch 2, it trains epoch 3 and stops there."""
+    from trainfast.train import trainer
+
+    train, _ = digits_packs
+    clock = {"t": 0.0}
+
+    def now():
+        return clock["t"]
+    monkeypatch.setattr(trainer, "_now", now)
+    real_end = trainer._Run.end_epoch
+
+    def end_epoch(self, epoch, row):
+        clock["t"] += 10.0
+        done = real_end(self, epoch, row)
+        if epoch == 1 and not resumed:
+            raise KeyboardInterrupt  # stopped after epoch 2, as a Ctrl-C would
+        return done
+    monkeypatch.setattr(trainer._Run, "end_epoch", end_epoch)
+    resumed, said = False, []
+    cfg = TrainConfig(epochs=6, minutes=35 / 60, schedule="cosine")
+    with pytest.raises(KeyboardInterrupt):
+        fit("cifar_cnn", train, config=cfg, speed=Speed(batch_size=64), device="cpu", run_dir=tmp_path / "run",
+            progress=False, log=said.append)
+    assert any("epoch 1 took 10.0 s, so 2 more fit the 0.583333 minutes: 3 epochs instead of 6" in m for m in said)
+    resumed = True
+    r = fit("cifar_cnn", train, device="cpu", run_dir=tmp_path / "run", resume=True, progress=False,
+            log=said.append)
+    assert len(r.history) == 3 and r.stopped == "finished"
+    assert r.history[-1]["lr"] < 0.01 * r.history[0]["lr"]  # annealed by the end of the shorter plan
+
+
+def test_a_spent_time_budget_stops_after_the_epoch(digits_packs, tmp_path):
+    train, _ = digits_packs
+    said = []
+    r = fit("cifar_cnn", train, config=TrainConfig(epochs=5, minutes=1e-5), speed=Speed(batch_size=64),
+            device="cpu", run_dir=tmp_path / "run", progress=False, log=said.append)
+    assert r.stopped == "out-of-time" and len(r.history) == 1 and any("minutes spent" in m for m in said)
+
+
+def test_an_epoch_far_slower_than_tune_timed_is_said_and_a_stale_cached_choice_dropped(monkeypatch):
+    from trainfast.train import trainer
+    from trainfast.tuning import TuneResult
+
+    speed = Speed(batch_size=64)
+    tried = [{"label": speed.label(), "images_per_s": 1000.0}]
+    dropped, said = [], []
+    monkeypatch.setattr("trainfast.tuning.forget", dropped.append)
+    cached = TuneResult(speed, cached=True)
+    trainer._check_tuned_rate(cached, tried, speed, {"epoch": 1, "images_per_s": 800.0, "other_cores": 0.0},
+                              said.append)
+    assert not said and not dropped  # within RATE_OFF: nothing to say
+    trainer._check_tuned_rate(cached, tried, speed, {"epoch": 1, "images_per_s": 300.0, "other_cores": 1.5},
+                              said.append)
+    assert "0.30× the 1,000 tune timed" in said[-1] and "other processes kept 1.5 cores busy" in said[-1]
+    assert not dropped  # the load explains it: the choice stays
+    trainer._check_tuned_rate(cached, tried, speed, {"epoch": 1, "images_per_s": 300.0, "other_cores": 0.0},
+                              said.append)
+    assert dropped == [cached] and "looks stale" in said[-1]

@@ -321,3 +321,69 @@ def test_rewrites_that_match_nothing_are_not_timed():
     tried.clear()
     tune(_net(), (3, 8, 8), device="cpu", measure=_fake(tried), retune=True, log=lambda m: None)
     assert any(s.rewrites for s in tried)  # _net's ReLU after a convolution can be made in place
+
+
+def _busy(monkeypatch, cores):
+    from trainfast import hardware
+
+    def exit_(self, *exc):
+        self.cores = cores() if callable(cores) else cores
+        return False
+    monkeypatch.setattr(hardware.OtherLoad, "__exit__", exit_)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 2)
+    monkeypatch.setattr(hardware, "physical_cores", lambda: 2)
+    monkeypatch.setattr(hardware, "default_threads", lambda: 2)
+
+
+def test_a_busy_machine_is_timed_with_the_free_cores_said_and_not_cached(monkeypatch):
+    """Other processes hold one of two cores: tune times with one thread, says so in its log and
+    table, puts the threads back, and the next tune measures again instead of reusing it."""
+    _busy(monkeypatch, 1.0)
+    torch.set_num_threads(2)
+    threads, said = [], []
+
+    def measure(model, shape, out, speed, device):
+        threads.append(torch.get_num_threads())
+        return Trial(speed, 100.0 * speed.batch_size ** 0.1, 2.0)
+    r = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, retune=True, log=said.append)
+    assert set(threads) == {1} and torch.get_num_threads() == 2
+    assert r.busy and r.threads == 1 and "the machine was busy" in r.table() and "1.0 cores" in r.table()
+    assert any("timing with 1 thread" in m for m in said)
+    again = []
+    r2 = tune(_net(), (3, 8, 8), device="cpu", measure=lambda *a: again.append(1) or measure(*a), try_compile=False,
+              log=lambda m: None)
+    assert again and not r2.cached
+    _busy(monkeypatch, 0.0)  # quiet now: measured, cached, and reused from then on
+    r3 = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, log=lambda m: None)
+    r4 = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, log=lambda m: None)
+    assert not r3.cached and not r3.busy and r4.cached and "busy" not in r3.table()
+
+
+def test_the_batch_search_does_not_stop_below_64_on_slow_timings_or_while_others_load_the_machine(monkeypatch):
+    monkeypatch.setattr(tune_mod, "start_batch_for", lambda *a: 8)
+    rates = {8: 100.0, 16: 90.0, 32: 80.0, 64: 200.0, 128: 150.0, 256: 140.0, 512: 300.0}
+    loud = {"now": False}
+
+    def measure(model, shape, out, speed, device):
+        loud["now"] = speed.batch_size in (128, 256)  # a burst of load during those two timings
+        return Trial(speed, rates[speed.batch_size], 2.0)
+    _busy(monkeypatch, lambda: 1.5 if loud["now"] else 0.0)
+    r = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, try_rewrites=False, retune=True,
+             log=lambda m: None)
+    assert r.best.batch_size == 512  # 16 and 32 slower, but 64 is timed; 128 and 256 slower in a burst, 512 timed
+
+
+def test_a_slow_probe_does_not_decide_the_first_batch():
+    """A model whose step costs the same at any batch (as a busy moment makes a small probe look):
+    the probe at batch 4 says 0.1 s per image, the upward check finds batch 64 steps fast."""
+    import time as _time
+
+    class Slow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            _time.sleep(0.05 if x.shape[0] > 4 else 0.4)  # the probe's batch runs slowly, as beside a busy neighbour
+            return self.conv(x).mean((2, 3))
+    assert tune_mod.start_batch_for(Slow(), (3, 8, 8), torch.device("cpu"), 512) == 64

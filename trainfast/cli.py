@@ -238,6 +238,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="deterministic kernels: the same seed gives the same weights on the same device (can be slower)")
     tr.add_argument("--tune-share", type=float, default=0.1,
                     help="the most of the planned training time tuning may take (default: 0.1; 0: no bound)")
+    tr.add_argument("--minutes", type=float, default=0.0,
+                    help="a wall-clock budget for the epochs: where the epochs so far say the rest will not fit, "
+                         "the run is shortened to those that do, its learning rate annealed over them (default: none)")
     tr.add_argument("--no-loss-watch", action="store_true",
                     help="train on, without a word, when the loss stays at chance (ln K) after max(2, 30%%) of the "
                          "epochs with every output frozen, or diverges (default: stop, and say why)")
@@ -401,7 +404,7 @@ def _cmd_train(a) -> ExitStatus:
                           schedule=a.schedule, warmup=a.warmup, label_smoothing=a.label_smoothing, clip=a.clip,
                           val_fraction=a.val_fraction, patience=a.patience, save_every=a.save_every, seed=a.seed,
                           deterministic=a.deterministic, loss_watch=not a.no_loss_watch, tune_share=a.tune_share,
-                          lr_test=a.lr_test)
+                          lr_test=a.lr_test, minutes=a.minutes)
         aug = Augment(crop_pad=a.crop_pad, translate=a.translate, flip=a.flip, brightness=a.brightness,
                       contrast=a.contrast, cutout=a.cutout)
         pinned = {k: v for k, v in (("precision", a.precision), ("channels_last", a.channels_last),

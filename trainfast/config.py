@@ -160,6 +160,9 @@ class TrainConfig:
     and cost them held-out accuracy (docs/TRAINING.md)."""
     tune_share: float = 0.1
     """The most of the planned training time that tuning may take (0: no bound)."""
+    minutes: float = 0.0
+    """A wall-clock budget for the epochs (0: none): where the epochs so far say the rest will not fit, the run
+    is shortened to the epochs that do, its learning rate annealed over the shorter plan."""
     loss_watch: bool = True
     """Say so when the training loss has not left chance (ln K) after max(2, 30%) of the epochs, or diverges; stop
     the run where going on cannot help (a diverging loss, or every output frozen)."""

@@ -164,7 +164,7 @@ class OtherLoad:
         wall0, busy0, own0 = self.start
         busy = _busy_cpu_seconds()
         wall = time.perf_counter() - wall0
-        if busy is not None and busy0 is not None and wall > 0:
+        if busy is not None and busy0 is not None and wall >= 0.05:  # /proc/stat counts 10 ms ticks
             self.cores = max(0.0, (busy - busy0) - (_own_cpu_seconds() - own0)) / wall
         return False
 
@@ -174,13 +174,58 @@ class OtherLoad:
             return "(other processes' load: not measurable here)"
         return self.warning() or f"(other processes kept {self.cores:.2f} cores busy on average while this ran)"
 
+    @property
+    def busy(self) -> bool:
+        return is_busy(self.cores)
+
     def warning(self) -> str:
         """A sentence when others used a quarter of the usable cores or more, else ''."""
         cores = usable_cores()
-        if self.cores is None or self.cores < max(0.25 * cores, 0.3):
+        if not self.busy:
             return ""
         return (f"other processes kept {self.cores:.1f} of this machine's {cores} cores busy while this ran: the "
                 "figures may be low, by a large factor on few cores; measure again on an idle machine")
+
+
+def is_busy(other_cores: float | None) -> bool:
+    """Other processes kept enough cores busy to move a measurement here: a quarter of the
+    usable cores or more (half a core on 2: one spinning process slowed torch's two threads
+    2.5× on the CIFAR CNN, see free_threads)."""
+    return other_cores is not None and other_cores >= max(0.25 * usable_cores(), 0.3)
+
+
+def other_cores_now(seconds: float = 0.25) -> float | None:
+    """Cores other processes keep busy, sampled over `seconds` now (while this process waits)."""
+    with OtherLoad() as load:
+        time.sleep(seconds)
+    return load.cores
+
+
+def default_threads() -> int:
+    """torch's intra-op threads as this process first had them (what it goes back to when the
+    machine is quiet again; free_threads lowers them for a while)."""
+    import torch
+
+    global _DEFAULT_THREADS
+    if _DEFAULT_THREADS is None:
+        _DEFAULT_THREADS = torch.get_num_threads()
+    return _DEFAULT_THREADS
+
+
+_DEFAULT_THREADS: int | None = None
+
+
+def free_threads(other_cores: float | None) -> int:
+    """torch's intra-op threads for a machine where other processes keep `other_cores` busy:
+    the default where it is quiet, else the cores left free (at least one).
+
+    A thread that shares its core with another program holds every parallel region up for the
+    rest: on 2 cores with one spinning process, the CIFAR CNN trained at 790 images/s with 2
+    threads and 1,990 with 1 (quiet: 1,880 with 2); with three spinning, 300 vs 980."""
+    threads = default_threads()
+    if not is_busy(other_cores):
+        return threads
+    return max(1, min(threads, round(physical_cores() - other_cores)))
 
 
 # --- measured peaks ---------------------------------------------------------------------------
@@ -205,8 +250,8 @@ def machine_key(device) -> str:
 
     if device.type == "cuda":
         what = torch.cuda.get_device_name(device)
-    else:
-        what = f"{cpu_model()} x{torch.get_num_threads()}"
+    else:  # the threads this process runs with when quiet, not while free_threads has lowered them
+        what = f"{cpu_model()} x{default_threads()}"
     return f"{device.type}|{what}|torch {torch.__version__}"
 
 
@@ -281,15 +326,25 @@ def write_cache(name: str, data: dict) -> None:
 
 
 def peaks(device, remeasure: bool = False) -> dict:
-    """measure_peaks(device), cached per machine_key in ~/.cache/trainfast/peaks.json."""
+    """measure_peaks(device), cached per machine_key in ~/.cache/trainfast/peaks.json with the
+    load it was measured under ("other_cores"). A measurement taken while other processes kept
+    cores busy is returned ("busy": True) but not cached as the machine's peak (one beside 1.3
+    busy cores read 62 GFLOP/s fp32 on a CPU that does 190): a later call measures again, and a
+    quiet measurement already cached is kept and used instead of a busy one."""
     cache = read_cache("peaks.json")
-    key = machine_key(device) + "|fastest"  # entries from before the probe kept its fastest call are stale
+    key = machine_key(device) + "|quiet"  # older entries recorded no load: measured again, once
     if not remeasure and key in cache:
-        return {**cache[key], "cached": True}
-    result = measure_peaks(device)
+        return {**cache[key], "cached": True, "busy": False}
+    with OtherLoad() as load:
+        result = {**measure_peaks(device), "other_cores": None}
+    result["other_cores"] = load.cores
+    if load.busy and device.type == "cpu":  # a GPU's peaks do not share its cores with other programs
+        if key in cache:
+            return {**cache[key], "cached": True, "busy": False}
+        return {**result, "cached": False, "busy": True}
     cache[key] = result
     write_cache("peaks.json", cache)
-    return {**result, "cached": False}
+    return {**result, "cached": False, "busy": False}
 
 
 def describe(device) -> dict:

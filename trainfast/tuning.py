@@ -1,23 +1,26 @@
 """`trainfast tune`: time the candidate speed settings on this machine, keep the fastest
-sound one, and cache the choice.
+sound one, and cache the choice with the load it was measured under.
 
-The search is pruned, not exhaustive. (0) On CUDA, fp32 at doubling batches until the time
-per image stops falling (FILL_GAIN): the batch that fills the device, where the next steps
-are judged; below it every setting is launch-bound and they all look alike. (1) precision
-(fp32, bf16; on CUDA also tf32 and fp16) in channels_last at the starting batch; (2) the
-exact rewrite passes (trainfast.models.rewrite) on the winner, all together, then each
-precision in the plain layout (the likely winners first, for a tight budget);
-(3) batch sizes, powers of two, with the winner so far, until memory runs out or two
-doublings in a row are slower, then the rewrites once more at the new batch if they lost at
-the first; (4) CPU threads, if torch uses fewer than the physical cores; (5) a final:
-the three fastest so far and the winner's neighbours (batch ×2 and ÷2, rewrites on/off),
-timed round-robin twice more, so that a slow spell of a shared machine falls on all of them;
-the best median of its timings wins, so that one lucky timing does not; (6) torch.compile
-of the winner (its compile time reported apart; on CUDA with CUDA graphs). A candidate
-counts only if its loss on the same first batch, from the same weights, is finite and
-within 5% of fp32's. Each timing runs at least `steps` steps and at least `min_seconds` of
-them, issued back to back and synchronised once, as training issues them, so that small,
-fast steps are not timed over a few milliseconds. On CUDA the trials use cudnn.benchmark and a fused SGD, as fit does.
+A measuring core (_Bench) times a setting within the tune's budget and records how many cores
+other processes kept busy meanwhile; a strategy per device (_CpuSearch, _CudaSearch over the
+shared _Search) decides what to time next. The search is pruned, not exhaustive. (0) The
+reference, fp32 in the plain layout: on a CPU at a batch whose step stays short
+(start_batch_for), on CUDA at the batch that fills the device (_fill: below it every setting is
+launch-bound and they all look alike). (1) precision (fp32, bf16; on CUDA also tf32 and fp16)
+in channels_last; (2) the exact rewrite passes (trainfast.models.rewrite) on the winner, then
+each precision in the plain layout; (3) batch sizes, powers of two, with the winner so far,
+until memory runs out or two doublings in a row are slower, then the rewrites once more at
+the new batch; (4) CPU threads, if torch uses fewer than the physical cores; (5) a final: the
+fastest few and the winner's neighbours timed round-robin twice more, so that a slow spell of a
+shared machine falls on all of them; the best median wins, so that one lucky timing does not;
+(6) torch.compile of the winner (its compile time reported apart; on CUDA with CUDA graphs).
+
+A candidate counts only if its loss on the same first batch, from the same weights, is finite
+and within 5% of fp32's. Each timing runs at least `steps` steps and at least `min_seconds` of
+them, issued back to back and synchronised once, as training issues them. On CUDA the trials
+use cudnn.benchmark and a fused SGD, as fit does. Where other processes hold a CPU's cores,
+the tune times with the threads left free, says so, and does not cache its choice as the
+machine's (a busy tune once chose batch 4 and a quiet run reused it at a quarter of the speed).
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ MAX_BATCH = {"cpu": 512, "cuda": 8192}  # the largest batch tried unless the cal
 FILL_GAIN = 1.10  # CUDA: a doubling of the batch that gains less than this has filled the device
 START_STEP_S = 0.5  # CPU: the first batch tried is sized so that one step takes about this long
 START_PROBE = 4  # ... timed at this batch (smaller batches overstate the cost per image 2-3x)
-_DEFAULT_THREADS = torch.get_num_threads()  # restored after a trial that pins threads
 _clock = time.perf_counter  # the tune's own elapsed time (tests replace it)
 
 
@@ -71,10 +73,15 @@ class Trial:
     loss: float | None = None
     compile_s: float = 0.0
     note: str = ""
+    other_cores: float | None = None  # cores other processes kept busy while it was timed
 
     def to_dict(self) -> dict:
         return {"speed": asdict(self.speed), "label": self.speed.label(), "images_per_s": self.images_per_s,
-                "loss": self.loss, "compile_s": self.compile_s, "note": self.note}
+                "loss": self.loss, "compile_s": self.compile_s, "note": self.note, "other_cores": self.other_cores}
+
+    @classmethod
+    def from_dict(cls, r: dict) -> "Trial":
+        return cls(Speed(**r["speed"]), r["images_per_s"], r["loss"], r["compile_s"], r["note"], r.get("other_cores"))
 
 
 @dataclass
@@ -85,6 +92,28 @@ class TuneResult:
     seconds: float = 0.0
     not_timed: list[str] = field(default_factory=list)  # settings the time budget left out
     budget_s: float | None = None
+    other_cores: float | None = None  # cores other processes kept busy on average while it measured
+    threads: int | None = None  # the CPU threads it timed with, where the load made it fewer than the default
+    key: str = ""  # its entry in the cache (forget drops it)
+
+    @property
+    def busy(self) -> bool:
+        return hardware.is_busy(self.other_cores)
+
+    def load_line(self) -> str:
+        """What the load was, in words, where the machine was busy; else ''."""
+        if not self.busy:
+            return ""
+        fewer = f"; timed with {self.threads} thread{'s' * (self.threads != 1)}, the cores left free" \
+            if self.threads else ""
+        return (f"the machine was busy: other processes kept {self.other_cores:.1f} of its "
+                f"{hardware.usable_cores()} cores busy on average while tune measured{fewer}. The choice is not "
+                "cached as this machine's: the next tune measures again")
+
+    def chosen_rate(self) -> float | None:
+        """The median images/s timed for the chosen setting (None if it was not timed)."""
+        rates = [r.images_per_s for r in self.rows if r.images_per_s and r.speed == self.best]
+        return statistics.median(rates) if rates else None
 
     def __repr__(self) -> str:  # a notebook cell shows the table and the choice, not the dataclass
         return f"TuneResult ({len(self.rows)} timings):\n{self.table()}"
@@ -98,7 +127,12 @@ class TuneResult:
         for r in (r for r in self.rows if r.images_per_s):
             timed.setdefault(r.speed.label(), []).append(r)
         merged = [replace(ts[0], images_per_s=_median(ts), note=ts[0].note if len(ts) == 1 else
-                          "median of " + ", ".join(units.rate(t.images_per_s) for t in ts)) for ts in timed.values()]
+                          "median of " + ", ".join(units.rate(t.images_per_s) for t in ts) + _spread(ts))
+                  for ts in timed.values()]
+        for m, ts in zip(merged, timed.values()):
+            loads = [t.other_cores for t in ts if t.other_cores is not None]
+            if loads and hardware.is_busy(max(loads)):
+                m.note = "; ".join(n for n in (m.note, f"other processes held {max(loads):.1f} cores") if n)
         ok = sorted(merged, key=lambda r: -r.images_per_s)
         base = next((r.images_per_s for r in self.rows if r.images_per_s and r.speed.precision == "fp32"
                      and not r.speed.channels_last and not r.speed.compile), None)
@@ -116,6 +150,8 @@ class TuneResult:
             lines.append(f"not timed, the tune's budget of {self.budget_s:.1f} s spent: " + ", ".join(untimed))
         lines.append(f"chosen: {self.best.label()}" + (" (cached; --retune to measure again)" if self.cached else
                                                         f" ({self.seconds:.0f} s)"))
+        if self.load_line():
+            lines.append(self.load_line())
         return "\n".join(lines)
 
 
@@ -129,6 +165,12 @@ def _median(trials: list[Trial]) -> float:
     return statistics.median(t.images_per_s for t in trials)
 
 
+def _spread(trials: list[Trial]) -> str:
+    """The range of several timings of one setting around their median, e.g. ' (±6%)'."""
+    rates = [t.images_per_s for t in trials]
+    return f" (±{(max(rates) - min(rates)) / 2 / statistics.median(rates):.0%})"
+
+
 def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5, warmup: int = 2,
                   min_seconds: float = MIN_SECONDS) -> Trial:
     """Time training steps at `speed` on in-memory batches, after `warmup` of them: `steps`
@@ -137,7 +179,7 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
     from the model's own weights."""
     net = copy.deepcopy(model)
     data = synthetic_batches(shape, out_shape, speed.batch_size, device, n=2)
-    compile_s = 0.0
+    compile_s, threads = 0.0, torch.get_num_threads()
     try:
         net = _step.prepare(net, speed, device)
         # the soundness check's loss: the same images and labels for every setting and batch size
@@ -159,8 +201,7 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
     except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped, with the reason
         return Trial(speed, None, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
     finally:
-        if speed.threads and device.type == "cpu":
-            torch.set_num_threads(_DEFAULT_THREADS)
+        torch.set_num_threads(threads)  # a trial that pins threads leaves them as it found them
     return Trial(speed, rate, float(loss), compile_s)
 
 
@@ -187,17 +228,6 @@ def _final(rows: list[Trial], finalists: list[Speed], sound, run, rounds: int = 
     return next(t for t in reversed(rows) if t.speed.label() == best.label())
 
 
-def _neighbours(speed: Speed, *, pinned_batch, max_batch: int, try_rewrites: bool) -> list[Speed]:
-    """The settings one step away from `speed` in the choices the search prunes most."""
-    near = []
-    if pinned_batch is None:
-        near += [replace(speed, batch_size=b) for b in (speed.batch_size * 2, speed.batch_size // 2)
-                 if 8 <= b <= max_batch]
-    if try_rewrites:
-        near.append(replace(speed, rewrites=() if speed.rewrites else rewrite.ALL))
-    return near
-
-
 def _fill(run, batch: int, max_batch: int) -> Trial:
     """CUDA: fp32 at doubling batches from `batch` until a doubling gains less than FILL_GAIN;
     the trial of the last batch that gained. Below it every setting is bound by kernel launches,
@@ -214,29 +244,42 @@ def _fill(run, batch: int, max_batch: int) -> Trial:
 def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, max_batch: int) -> int:
     """The first batch to try: 64, or on the CPU less where a training step at 64 would take
     more than START_STEP_S (the 512² story's CNN: 13 s per step at 64 on 2 cores; a tune of
-    several steps per candidate outlasted a one-epoch run). The cost per image is timed: one
-    fp32 training step of a copy at batch START_PROBE, the faster of two after a warm-up (a
-    step that alone exceeds START_STEP_S ends it). Counting FLOPs instead took 3 s of a first
-    cifar_resnet tune's 4.8 s: the FLOP counter's import and the machine's peak measurement."""
+    several steps per candidate outlasted a one-epoch run).
+
+    A first guess from the cost per image at batch START_PROBE (one fp32 training step of a
+    copy, the faster of two after a warm-up; FLOPs instead took 3 s of a 4.8 s tune), then,
+    where that guess is below 64, confirmed upward: the batch doubles while one step at the
+    doubled batch, timed, stays within START_STEP_S. A small batch overstates the cost per
+    image 2-3×, and one busy moment of a shared machine many times more: a guess from one
+    probe alone started a CIFAR CNN's tune at batch 4 beside other programs."""
     b = min(64, max_batch)
     if device.type != "cpu" or b <= START_PROBE:
         return b
-    try:
-        net = copy.deepcopy(model).eval()  # no dropout: the global random state stays as it was
-        x = torch.randn(START_PROBE, *input_shape, generator=torch.Generator().manual_seed(0))
+    net = copy.deepcopy(model).eval()  # no dropout: the global random state stays as it was
+    gen = torch.Generator().manual_seed(0)
+
+    def step_s(batch: int, tries: int) -> float:
+        """The fastest of `tries` steps after a warm-up; a step past START_STEP_S ends them."""
+        x = torch.randn(batch, *input_shape, generator=gen)
         times = []
-        for _ in range(3):
+        for _ in range(tries + 1):
             t = time.perf_counter()
             _step.logits_of(net(x)).float().square().mean().backward()
             times.append(time.perf_counter() - t)
             if times[-1] > START_STEP_S:
                 break
-        per_image = min(times[1:] or times) / START_PROBE
+        return min(times[1:] or times)
+
+    try:
+        per_image = step_s(START_PROBE, 2) / START_PROBE
+        guess = b
+        while guess > START_PROBE and guess * per_image > START_STEP_S:
+            guess //= 2
+        while guess < b and step_s(guess * 2, 1) <= START_STEP_S:
+            guess *= 2
     except Exception:  # noqa: BLE001 - a model that will not run on random input here: the usual start
         return b
-    while b > START_PROBE and b * per_image > START_STEP_S:
-        b //= 2
-    return b
+    return guess
 
 
 BATCH_GAIN = 1.3
@@ -307,6 +350,218 @@ def _input_of(data) -> tuple[tuple[int, int, int], int | None]:
     return shape, None
 
 
+class _Bench:
+    """The measuring core every search shares: it times a setting within the tune's budget,
+    records the load each timing ran under, and judges a timing sound against the reference's
+    loss. The searches (_CpuSearch, _CudaSearch) only decide what to time next."""
+
+    def __init__(self, model, input_shape, out_shape, dev, measure, log, *, max_seconds, planned_images,
+                 budget_share):
+        self.model, self.input_shape, self.out_shape, self.dev = model, input_shape, out_shape, dev
+        self.measure, self.log = measure, log
+        self.max_seconds, self.planned_images, self.budget_share = max_seconds, planned_images, budget_share
+        self.rows: list[Trial] = []
+        self.not_timed: list[str] = []
+        self.took: list[tuple[float, Speed]] = []  # each measurement's seconds; the first also pays one-time set-up
+        self.plan: dict = {}  # once the reference is timed: its time, and the fastest rate timed so far
+        self.ref: Trial | None = None
+        self.started = _clock()
+
+    def budget(self) -> float | None:
+        """The tune's bound, from its start: max_seconds, and/or after the first measurement
+        budget_share of the planned training at the fastest rate timed so far: the run the
+        tune serves trains at the rate it finds, so a faster find tightens the bound."""
+        bounds = [self.max_seconds] if self.max_seconds else []
+        if self.plan and self.planned_images and self.budget_share:
+            bounds.append(self.plan["first"] + self.budget_share * self.planned_images / self.plan["rate"])
+        return min(bounds) if bounds else None
+
+    def expected_s(self, speed: Speed) -> float:
+        """How long measuring `speed` will take: the last measurement's time (not the first's),
+        longer in proportion to a larger batch, plus a compile where none was timed yet."""
+        seconds, last = self.took[-1]
+        compiling = speed.compile and not any(s.compile for _, s in self.took)
+        return seconds * max(1.0, speed.batch_size / last.batch_size) + (COMPILE_GUESS_S if compiling else 0.0)
+
+    def run(self, speed: Speed) -> Trial:
+        """Time `speed` (or say why not), log it, and keep the row."""
+        if any(r.images_per_s for r in self.rows) and self.budget() is not None:  # the reference is always timed
+            left = self.budget() - (_clock() - self.started)
+            # One that would end past the bound is not begun; the second always is: the likely winner.
+            if left <= 0 or (len(self.took) >= 2 and left < self.expected_s(speed)):
+                self.not_timed.append(speed.label())
+                return Trial(speed, None, note="not timed: the tune's budget is spent")
+        reason = _step.check(speed, self.dev)
+        if reason:
+            trial = Trial(speed, None, note=f"skipped: {reason}")
+        else:
+            t = _clock()
+            with hardware.OtherLoad() as load:
+                trial = self.measure(self.model, self.input_shape, self.out_shape, speed, self.dev)
+            trial.other_cores = load.cores
+            self.took.append((_clock() - t, speed))
+        self.rows.append(trial)
+        if self.plan and trial.images_per_s:
+            self.plan["rate"] = max(self.plan["rate"], trial.images_per_s)
+        shown = f"{units.rate(trial.images_per_s)} images/s" if trial.images_per_s else trial.note
+        busy = f"   (other processes: {trial.other_cores:.1f} cores)" if hardware.is_busy(trial.other_cores) else ""
+        self.log(f"  {speed.label():53s} {shown}{busy}")
+        return trial
+
+    def set_reference(self, ref: Trial) -> None:
+        """The first timing: fp32, plain layout; every other setting's loss is judged against its."""
+        if ref.images_per_s is None:
+            raise TrainfastError(f"the model does not train at all on {self.dev}: {ref.note}")
+        self.ref = ref
+        self.plan.update(first=_clock() - self.started, rate=ref.images_per_s)
+        if self.planned_images and self.budget_share:
+            self.log(f"  (tune budget: at most {self.budget():.1f} s in all: after this first measurement "
+                     f"({self.plan['first']:.1f} s), {self.budget_share:.0%} of the planned training, "
+                     f"~{self.planned_images / ref.images_per_s:.0f} s at this rate; less as faster settings are found)")
+        elif self.max_seconds:
+            self.log(f"  (tune budget: {self.max_seconds:.1f} s)")
+
+    def sound(self, t: Trial) -> bool:
+        """Timed, with a finite first-batch loss within LOSS_TOLERANCE of fp32's."""
+        if t.images_per_s is None or t.loss is None or not math.isfinite(t.loss):
+            return False
+        ok = abs(t.loss - self.ref.loss) <= LOSS_TOLERANCE * max(1.0, abs(self.ref.loss))
+        if not ok and not t.note:
+            t.note = f"rejected: first-batch loss {t.loss:.4f} vs fp32 {self.ref.loss:.4f}"
+        return ok
+
+    def better(self, t: Trial, best: Trial, margin: float = 1.03) -> bool:
+        return self.sound(t) and t.images_per_s > best.images_per_s * margin
+
+
+class _Search:
+    """The search both devices share (see the module's docstring): the reference, precision ×
+    memory format, the rewrites, batch sizes, the device's own extra phase, a round-robin final,
+    then torch.compile. A device's strategy says where to start and what it can run."""
+
+    precisions: list[str]  # the likely winners first: under a tight budget they are the ones timed
+
+    def __init__(self, bench: _Bench, *, batch_size, max_batch, try_rewrites, try_compile, busy: bool):
+        self.bench, self.pinned, self.max_batch = bench, batch_size, max_batch
+        self.try_rewrites, self.try_compile, self.busy = try_rewrites, try_compile, busy
+
+    def reference(self) -> Trial:
+        raise NotImplementedError
+
+    def extra(self, best: Trial) -> Trial:
+        return best
+
+    def run(self) -> Trial:
+        bench, run, better = self.bench, self.bench.run, self.bench.better
+        ref = self.reference()
+        bench.set_reference(ref)
+        start = ref.speed.batch_size
+        # Each precision in channels_last (the layout convolutions run fastest in, on CPUs and
+        # GPUs alike), then the rewrites on the best of those, then the plain layout. A precision
+        # this device does not run fast is skipped without timing.
+        for p in self.precisions:
+            run(Speed(p, True, batch_size=start))
+        best = max((t for t in bench.rows if bench.sound(t)), key=lambda t: t.images_per_s)
+        if self.try_rewrites:
+            t = run(replace(best.speed, rewrites=rewrite.ALL))
+            best = t if better(t, best) else best
+        for p in self.precisions[:-1]:  # the plain layout (fp32's is the reference, timed first)
+            t = run(Speed(p, False, batch_size=start))
+            best = t if better(t, best) else best
+        if self.pinned is None:
+            best = self.batches(best, start)
+        if self.try_rewrites and not best.speed.rewrites and best.speed.batch_size != start:
+            # Rewrites save memory-bound passes over activations; at a larger batch they can pay
+            # where they did not at the first one (plate CNN: +5% at 128, +0% at 64 on 2 cores).
+            t = run(replace(best.speed, rewrites=rewrite.ALL))
+            best = t if better(t, best) else best
+        best = self.extra(best)
+        best = self.final(best)
+        if self.try_compile:
+            t = run(replace(best.speed, compile=True))
+            best = t if better(t, best) else best
+        return best
+
+    def batches(self, best: Trial, start: int) -> Trial:
+        """Powers of two up from `start` with the winner so far, until memory runs out or two
+        doublings in a row are slower; then half of `start` if nothing larger won. Never
+        stopped below the usual start (64) on slower timings alone, and a timing taken while
+        other processes held cores does not count as slower: a slow spell is not a peak."""
+        bench, b, slower = self.bench, start, 0
+        while b * 2 <= self.max_batch:
+            b *= 2
+            t = bench.run(replace(best.speed, batch_size=b))
+            if not bench.sound(t):
+                break  # out of memory, or the loss went wrong: larger will not do better
+            if bench.better(t, best):
+                best, slower = t, 0
+            elif t.images_per_s < best.images_per_s * 0.97 and not hardware.is_busy(t.other_cores):
+                slower += 1
+                if slower == 2 and b >= min(64, self.max_batch):
+                    break  # two doublings in a row slower: past the peak, not one noisy timing
+        b = start // 2
+        if best.speed.batch_size == start and b >= 8:
+            t = bench.run(replace(best.speed, batch_size=b))
+            best = t if bench.better(t, best) else best
+        return best
+
+    def neighbours(self, speed: Speed) -> list[Speed]:
+        """The settings one step away from `speed` in the choices the search prunes most."""
+        near = []
+        if self.pinned is None:
+            near += [replace(speed, batch_size=b) for b in (speed.batch_size * 2, speed.batch_size // 2)
+                     if 8 <= b <= self.max_batch]
+        if self.try_rewrites:
+            near.append(replace(speed, rewrites=() if speed.rewrites else rewrite.ALL))
+        return near
+
+    def final(self, best: Trial) -> Trial:
+        """The fastest three so far (four on a busy machine) and the winner's neighbours, timed
+        round-robin FINAL_ROUNDS times more, so that a slow spell of a shared machine falls on
+        all of them; the best median of its timings wins, so that one lucky timing does not."""
+        bench = self.bench
+        leaders: dict[str, Speed] = {}
+        for t in sorted((t for t in bench.rows if bench.sound(t)), key=lambda t: -t.images_per_s):
+            leaders.setdefault(t.speed.label(), t.speed)
+        known_bad = {t.speed.label() for t in bench.rows if not bench.sound(t)}
+        near = [s for s in self.neighbours(best.speed) if s.label() not in known_bad]
+        return _final(bench.rows, list(leaders.values())[:4 if self.busy else 3] + near, bench.sound,
+                      bench.run) or best
+
+
+class _CpuSearch(_Search):
+    """CPU: start at a batch whose step takes about START_STEP_S at most (start_batch_for); bf16
+    only where the CPU has bf16 instructions (step.check); then the threads, where torch uses
+    fewer than the physical cores and no other program holds the rest."""
+
+    precisions = ["bf16", "fp32"]
+
+    def reference(self) -> Trial:
+        bench = self.bench
+        start = self.pinned or start_batch_for(bench.model, bench.input_shape, bench.dev, self.max_batch)
+        return bench.run(Speed("fp32", False, batch_size=start))
+
+    def extra(self, best: Trial) -> Trial:
+        cores = hardware.physical_cores()
+        if self.busy or torch.get_num_threads() == cores:
+            return best
+        t = self.bench.run(replace(best.speed, threads=cores))
+        return t if self.bench.better(t, best) else best
+
+
+class _CudaSearch(_Search):
+    """CUDA: fp32 at doubling batches until the time per image stops falling (FILL_GAIN): the
+    batch that fills the device, where the next steps are judged; below it every setting is
+    launch-bound and they all look alike. Precisions: bf16, fp16, tf32 where the GPU has them."""
+
+    precisions = ["bf16", "fp16", "tf32", "fp32"]
+
+    def reference(self) -> Trial:
+        if self.pinned:
+            return self.bench.run(Speed("fp32", False, batch_size=self.pinned))
+        return _fill(self.bench.run, min(64, self.max_batch), self.max_batch)
+
+
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
          max_batch: int | None = None, images: int | None = None, planned_images: int | None = None,
          budget_share: float = 0.0, max_seconds: float | None = None, try_compile: bool = True,
@@ -337,6 +592,11 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         try_compile: include torch.compile of the winner (slow to compile on CPU).
         try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
         measure: replaces measure_trial (tests inject a fake clock here).
+
+    The load of other processes is measured before and during the search. On a CPU where they
+    hold cores, the search times with the threads left free (hardware.free_threads: a thread
+    sharing its core with another program holds up the rest), says so, and its choice is not
+    cached as this machine's: the next tune measures again.
     """
     try:
         dev = hardware.resolve_device(device)
@@ -354,160 +614,67 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
     if try_rewrites and not any(rewrite.apply(copy.deepcopy(model), rewrite.ALL).values()):
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
-    started = _clock()
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch))
     cache = hardware.read_cache("tune.json")
     if not retune and key in cache and _reusable(cache[key], planned_images, budget_share, max_seconds):
         c = cache[key]
-        rows = [Trial(Speed(**r["speed"]), r["images_per_s"], r["loss"], r["compile_s"], r["note"]) for r in c["rows"]]
-        return TuneResult(Speed(**c["best"]), rows, cached=True, not_timed=c.get("not_timed", []),
-                          budget_s=c.get("budget_s"))
+        return TuneResult(Speed(**c["best"]), [Trial.from_dict(r) for r in c["rows"]], cached=True,
+                          not_timed=c.get("not_timed", []), budget_s=c.get("budget_s"), key=key)
 
-    measure = measure or measure_trial
     out_shape = getattr(model, "output_shape", None) or tuple(first.shape[1:])
-    rows: list[Trial] = []
-    not_timed: list[str] = []
-    plan: dict = {}  # once the first setting is timed: its time, and the fastest rate timed so far
-
-    def budget() -> float | None:
-        """The tune's bound, from its start: max_seconds, and/or after the first measurement
-        budget_share of the planned training at the fastest rate timed so far: the run the
-        tune serves trains at the rate it finds, so a faster find tightens the bound."""
-        bounds = [max_seconds] if max_seconds else []
-        if plan and planned_images and budget_share:
-            bounds.append(plan["first"] + budget_share * planned_images / plan["rate"])
-        return min(bounds) if bounds else None
-
-    took: list[tuple[float, Speed]] = []  # each measurement's seconds; the first also pays one-time set-up
-
-    def expected_s(speed: Speed) -> float:
-        """How long measuring `speed` will take: the last measurement's time (not the first's),
-        longer in proportion to a larger batch, plus a compile where none was timed yet."""
-        seconds, last = took[-1]
-        compiling = speed.compile and not any(s.compile for _, s in took)
-        return seconds * max(1.0, speed.batch_size / last.batch_size) + (COMPILE_GUESS_S if compiling else 0.0)
-
-    def run(speed: Speed) -> Trial:
-        timed_one = any(r.images_per_s for r in rows)  # the first setting is always timed: the reference
-        if timed_one and budget() is not None:
-            left = budget() - (_clock() - started)
-            # One that would end past the bound is not begun; the second always is: the likely winner.
-            if left <= 0 or (len(took) >= 2 and left < expected_s(speed)):
-                not_timed.append(speed.label())
-                return Trial(speed, None, note="not timed: the tune's budget is spent")
-        reason = _step.check(speed, dev)
-        if reason:
-            trial = Trial(speed, None, note=f"skipped: {reason}")
-        else:
-            t = _clock()
-            trial = measure(model, input_shape, out_shape, speed, dev)
-            took.append((_clock() - t, speed))
-        rows.append(trial)
-        if plan and trial.images_per_s:
-            plan["rate"] = max(plan["rate"], trial.images_per_s)
-        shown = f"{units.rate(trial.images_per_s)} images/s" if trial.images_per_s else trial.note
-        log(f"  {speed.label():53s} {shown}")
-        return trial
-
+    bench = _Bench(model, input_shape, out_shape, dev, measure or measure_trial, log, max_seconds=max_seconds,
+                   planned_images=planned_images, budget_share=budget_share)
+    threads = torch.get_num_threads()
+    other = hardware.other_cores_now() if dev.type == "cpu" else None
+    fewer = hardware.free_threads(other) if dev.type == "cpu" else threads
+    fewer = fewer if fewer < threads else None
     cuda = dev.type == "cuda"
     log(f"tuning on {dev}: {'the batch that fills the GPU, then ' if cuda and not batch_size else ''}"
         f"precision × memory format{', rewrites' if try_rewrites else ''}, then batch size (up to {max_batch}), "
-        f"threads{', compile' if try_compile else ''}")
-    start_batch = batch_size or start_batch_for(model, input_shape, dev, max_batch)
-    if cuda and not batch_size:
-        ref = _fill(run, start_batch, max_batch)
-        start_batch = ref.speed.batch_size
-    else:
-        ref = run(Speed("fp32", False, batch_size=start_batch))
-    if ref.images_per_s is None:
-        raise TrainfastError(f"the model does not train at all on {dev}: {ref.note}")
-    first = _clock() - started
-    plan.update(first=first, rate=ref.images_per_s)
-    if planned_images and budget_share:
-        log(f"  (tune budget: at most {budget():.1f} s in all: after this first measurement ({first:.1f} s), "
-            f"{budget_share:.0%} of the planned training, ~{planned_images / ref.images_per_s:.0f} s at this rate; "
-            "less as faster settings are found)")
-    elif max_seconds:
-        log(f"  (tune budget: {max_seconds:.1f} s)")
-    # The likely winners first: each precision in channels_last (the layout convolutions run
-    # fastest in, on CPUs and GPUs alike), reduced precision first, then the rewrites on the
-    # best of those, then the other layout: under a tight budget the likely winners are the
-    # ones timed. A precision this device does not run fast is skipped without timing.
-    precisions = ["bf16", "fp16", "tf32", "fp32"] if cuda else ["bf16", "fp32"]
-    for p in precisions:
-        run(Speed(p, True, batch_size=start_batch))
-
-    def sound(t: Trial) -> bool:
-        if t.images_per_s is None or t.loss is None or not torch.isfinite(torch.tensor(t.loss)):
-            return False
-        ok = abs(t.loss - ref.loss) <= LOSS_TOLERANCE * max(1.0, abs(ref.loss))
-        if not ok and not t.note:
-            t.note = f"rejected: first-batch loss {t.loss:.4f} vs fp32 {ref.loss:.4f}"
-        return ok
-
-    best = max((t for t in rows if sound(t)), key=lambda t: t.images_per_s)
-    if try_rewrites:
-        t = run(replace(best.speed, rewrites=rewrite.ALL))
-        if sound(t) and t.images_per_s > best.images_per_s * 1.03:
-            best = t
-    for p in precisions[:-1]:  # the plain layout (fp32's is the reference, timed first)
-        t = run(Speed(p, False, batch_size=start_batch))
-        if sound(t) and t.images_per_s > best.images_per_s * 1.03:
-            best = t
-    if batch_size is None:
-        b, slower = start_batch, 0
-        while b * 2 <= max_batch:
-            b *= 2
-            t = run(replace(best.speed, batch_size=b))
-            if not sound(t):
-                break  # out of memory, or the loss went wrong: larger will not do better
-            if t.images_per_s > best.images_per_s * 1.03:
-                best, slower = t, 0
-            elif t.images_per_s < best.images_per_s * 0.97:
-                slower += 1
-                if slower == 2:
-                    break  # two doublings in a row slower: past the peak, not one noisy timing
-        b = start_batch // 2
-        if best.speed.batch_size == start_batch and b >= 8:
-            t = run(replace(best.speed, batch_size=b))
-            if sound(t) and t.images_per_s > best.images_per_s * 1.03:
-                best = t
-    if try_rewrites and not best.speed.rewrites and best.speed.batch_size != start_batch:
-        # Rewrites save memory-bound passes over activations; at a larger batch they can pay
-        # where they did not at the first one (plate CNN: +5% at 128, +0% at 64 on 2 cores).
-        t = run(replace(best.speed, rewrites=rewrite.ALL))
-        if sound(t) and t.images_per_s > best.images_per_s * 1.03:
-            best = t
-    cores = hardware.physical_cores()
-    if dev.type == "cpu" and _DEFAULT_THREADS != cores:
-        t = run(replace(best.speed, threads=cores))
-        if sound(t) and t.images_per_s > best.images_per_s * 1.03:
-            best = t
-    leaders: dict[str, Speed] = {}
-    for t in sorted((t for t in rows if sound(t)), key=lambda t: -t.images_per_s):
-        leaders.setdefault(t.speed.label(), t.speed)
-    known_bad = {t.speed.label() for t in rows if not sound(t)}
-    near = [s for s in _neighbours(best.speed, pinned_batch=batch_size, max_batch=max_batch, try_rewrites=try_rewrites)
-            if s.label() not in known_bad]
-    best = _final(rows, list(leaders.values())[:3] + near, sound, run) or best
-    if try_compile:
-        t = run(replace(best.speed, compile=True))
-        if sound(t) and t.images_per_s > best.images_per_s * 1.03:
-            best = t
-    not_timed = list(dict.fromkeys(not_timed))  # a setting the budget skipped in several phases, once
-    result = TuneResult(best.speed, rows, seconds=_clock() - started, not_timed=not_timed, budget_s=budget())
-    cache[key] = {"best": asdict(best.speed), "rows": [r.to_dict() for r in rows]}
+        f"{'' if cuda else 'threads, '}a round-robin final{', compile' if try_compile else ''}")
+    if fewer:
+        log(f"  other processes keep {other:.1f} of {hardware.usable_cores()} cores busy: timing with {fewer} "
+            f"thread{'s' * (fewer != 1)} (the cores left free), not {threads}")
+    search = (_CudaSearch if cuda else _CpuSearch)(bench, batch_size=batch_size, max_batch=max_batch,
+                                                     try_rewrites=try_rewrites, try_compile=try_compile,
+                                                     busy=hardware.is_busy(other))
+    try:
+        if fewer:
+            torch.set_num_threads(fewer)
+        with hardware.OtherLoad() as load:
+            best = search.run()
+    finally:
+        torch.set_num_threads(threads)
+    not_timed = list(dict.fromkeys(bench.not_timed))  # a setting the budget skipped in several phases, once
+    result = TuneResult(best.speed, bench.rows, seconds=_clock() - bench.started, not_timed=not_timed,
+                        budget_s=bench.budget(), other_cores=load.cores, threads=fewer, key=key)
+    if result.busy:
+        log("  " + result.load_line())
+    entry = {"best": asdict(best.speed), "rows": [r.to_dict() for r in bench.rows], "other_cores": load.cores,
+             "busy": result.busy}
     if not_timed:
-        log(f"  the tune's budget ({budget():.1f} s) left {len(set(not_timed))} settings untimed; cached with that "
+        log(f"  the tune's budget ({bench.budget():.1f} s) left {len(not_timed)} settings untimed; cached with that "
             "budget (a tune with a larger one measures again)")
-        cache[key].update(budget_s=budget(), first_s=first, plan_rate=plan["rate"], not_timed=not_timed)
+        entry.update(budget_s=bench.budget(), first_s=bench.plan["first"], plan_rate=bench.plan["rate"],
+                     not_timed=not_timed)
+    cache[key] = entry
     hardware.write_cache("tune.json", cache)
     return result
 
 
+def forget(result: TuneResult) -> None:
+    """Drop a cached choice (one that a run found far slower than tune timed it): the next tune measures again."""
+    cache = hardware.read_cache("tune.json")
+    if cache.pop(result.key, None) is not None:
+        hardware.write_cache("tune.json", cache)
+
+
 def _reusable(entry: dict, planned_images, budget_share: float, max_seconds) -> bool:
-    """A complete cached search always is; one a budget cut short is, for a tune whose own
-    budget (estimated at the cached search's fastest rate) is at most 25% larger."""
+    """A choice measured on a quiet machine is, if its search was complete; one a budget cut
+    short is, for a tune whose own budget (estimated at the cached search's fastest rate) is at
+    most 25% larger. A choice measured while other processes held cores never is."""
+    if entry.get("busy"):
+        return False
     if "budget_s" not in entry:
         return True
     bounds = [max_seconds] if max_seconds else []

@@ -177,8 +177,11 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
         h, w, c = pk.shape
         raise TrainfastError(f"the pack holds {c}×{h}×{w} images but the model takes {'×'.join(map(str, shape))}")
 
-    log("measuring this machine's peaks (cached after the first run)…")
+    log("measuring this machine's peaks (cached once measured on a quiet machine)…")
     peaks = hardware.peaks(dev, remeasure=remeasure)
+    if peaks.get("busy"):
+        log(f"   other processes kept {peaks['other_cores']:.1f} cores busy while the peaks were measured: used for "
+            "this report only, not cached (a later run on a quieter machine measures them again)")
     log("counting the model's cost per layer…")
     try:
         cost = layer_costs(copy.deepcopy(net), shape)

@@ -53,7 +53,8 @@ def sequence_errors(pred, true, alphabet: str, groups=None, top: int = 10) -> di
     return out
 
 
-COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_seq_acc", "lr", "images_per_s", "seconds"]
+COLUMNS = ["epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_seq_acc", "lr", "images_per_s", "seconds",
+           "other_cores", "threads"]  # the load other processes put on the CPU during the epoch; torch's threads
 
 
 class MetricsLog:

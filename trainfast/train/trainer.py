@@ -46,7 +46,7 @@ class FitResult:
     history: list[dict]
     best: float  # best validation accuracy (per character for sequences)
     speed: Speed
-    stopped: str  # "finished", "early-stopped"
+    stopped: str  # "finished", "early-stopped", "out-of-time" (TrainConfig.minutes)
     model: torch.nn.Module | None = field(default=None, repr=False)  # the model given (or built by name), trained
 
     def __repr__(self) -> str:  # what a notebook cell shows: the outcome, not every epoch's dict
@@ -135,6 +135,51 @@ def _scheduler(opt, cfg: TrainConfig, total: int, lr: float):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step, total))
 
 
+def _tail_scheduler(opt, lrs: list[float], steps: int):
+    """The learning rate of a shortened run (TrainConfig.minutes): from `lrs`, where the run
+    stands, linearly down to a thousandth of them over the `steps` left, whatever the schedule
+    was: a run cut short still ends annealed rather than at its peak."""
+    for g, lr in zip(opt.param_groups, lrs):
+        g["initial_lr"] = lr
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 - 0.999 * min(1.0, k / max(1, steps)))
+
+
+class _Threads:
+    """torch's intra-op threads, following other processes' load on a CPU run: at the start
+    from a quick sample, then after each epoch from the load measured during it
+    (hardware.free_threads); said in the log when they change. Off where the threads are
+    pinned (Speed.threads), on a GPU, under torchrun (each rank's neighbours are its peers), and
+    for a deterministic run (the threads change the order of a CPU kernel's sums)."""
+
+    def __init__(self, active: bool, say):
+        self.active, self.say = active, say
+        self.load: hardware.OtherLoad | None = None
+        if active:
+            self.set(hardware.other_cores_now(), "at the start")
+
+    def set(self, other: float | None, when: str) -> None:
+        want, now = hardware.free_threads(other), torch.get_num_threads()
+        if want != now:
+            torch.set_num_threads(want)
+            why = (f"other processes kept {other:.1f} of {hardware.usable_cores()} cores busy {when}" if want < now
+                   else f"the machine is quieter {when} ({other or 0:.1f} cores busy)")
+            self.say(f"threads {now} → {want}: {why}")
+
+    def __enter__(self):
+        self.load = hardware.OtherLoad().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.load.__exit__(*exc)
+        if self.active and exc[0] is None:
+            self.set(self.load.cores, "during that epoch")
+        return False
+
+    def restore(self) -> None:
+        if self.active:
+            torch.set_num_threads(hardware.default_threads())
+
+
 class _Interrupts:
     """Ctrl-C and SIGTERM land between training steps, so that a checkpoint's weights and its
     count of steps agree (one landing mid-step used to save the next batch as done).
@@ -188,7 +233,7 @@ def _check_config(cfg: TrainConfig) -> None:
         raise TrainfastError(f"val_fraction must be in [0, 1), not {cfg.val_fraction}")
     for name, low, high in (("lr", 0, None), ("momentum", 0, 1), ("weight_decay", 0, None), ("warmup", 0, 1),
                             ("label_smoothing", 0, 1), ("clip", 0, None), ("tune_share", 0, 1),
-                            ("patience", 0, None), ("save_every", 0, None)):
+                            ("patience", 0, None), ("save_every", 0, None), ("minutes", 0, None)):
         value = getattr(cfg, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= low
                 and (high is None or value <= high)):
@@ -467,14 +512,59 @@ def _pays(best: Speed, rows: list, planned_images: int, say) -> Speed:
     return plain
 
 
+_now = time.perf_counter  # the time budget's clock (tests replace it)
+
+RATE_OFF = 0.6
+"""A run whose epoch trains below this share of the rate tune timed for its setting says so
+(tune times in-memory batches; on 2 cores the plate demo's epochs run at about 0.8× of it)."""
+
+
+def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say) -> None:
+    """Compare an epoch's images/s with what tune timed for the run's setting; where it is far
+    below, say why it may be: other processes' load during the epoch, or a stale cached choice
+    (then dropped from the cache, so that the next run measures again)."""
+    from trainfast.tuning import forget
+
+    timed = [r["images_per_s"] for r in tried if r["label"] == speed.label() and r["images_per_s"]]
+    if not timed or row["images_per_s"] >= RATE_OFF * statistics.median(timed):
+        return
+    rate = statistics.median(timed)
+    said = (f"epoch {row['epoch'] + 1} trained at {units.rate(row['images_per_s'])} images/s, "
+            f"{row['images_per_s'] / rate:.2f}× the {units.rate(rate)} tune timed for {speed.label()}")
+    if hardware.is_busy(row.get("other_cores")):
+        say(f"note: {said}: other processes kept {row['other_cores']:.1f} cores busy during it")
+    elif tuned.cached:
+        forget(tuned)
+        say(f"note: {said} on a quiet machine: the cached choice looks stale; dropped from the cache, so the next "
+            "run measures again (--retune measures now)")
+    else:
+        say(f"note: {said}: the data path or the model's own work outside tune's in-memory timing costs that much "
+            "more; `trainfast doctor` shows where the time goes")
+
+
+def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: int) -> TrainConfig:
+    """The run's plan cut to `more` epochs after this one (TrainConfig.minutes), its learning
+    rate annealed over them (_tail_scheduler); kept in the checkpoint, so a resume goes on with it."""
+    steps = more * len(run.loader)
+    lrs = [g["lr"] for g in run.opt.param_groups]
+    run.sched = _tail_scheduler(run.opt, lrs, steps)
+    new = replace(cfg, epochs=run.state["epoch"] + more)
+    run.state["shortened"] = {"epochs": new.epochs, "steps": steps, "lrs": lrs}
+    run.cfg = new
+    run.save(epoch)
+    run.say(f"time budget: epoch {epoch + 1} took {epoch_s:.1f} s, so {more} more fit the {cfg.minutes:g} minutes: "
+            f"{new.epochs} epochs instead of {cfg.epochs}, the learning rate annealed over them")
+    return new
+
+
 def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
-           world_size: int = 1, budget_share: float = 0.0) -> tuple[Speed, list[dict], list]:
+           world_size: int = 1, budget_share: float = 0.0) -> tuple[Speed, list[dict], list, object]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
     the tune's time by budget_share of the planned training, a larger batch only where it is
     BATCH_GAIN× faster than a smaller one (more steps per epoch), torch.compile only where it
     pays for itself over `epochs`. Also the settings worth racing to a loss (race.contenders;
-    [] where the batch is pinned)."""
+    [] where the batch is pinned), and the TuneResult."""
     from trainfast.train import race
     from trainfast.tuning import MAX_BATCH, fastest_by_batch, more_steps_unless_faster
     from trainfast.tuning import tune as _tune
@@ -498,7 +588,7 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
             say(why)
     rows = [r.to_dict() for r in result.rows]
     best = best if "compile" in pin else _pays(best, rows, per_process * epochs, say)
-    return replace(best, **pin), rows, front
+    return replace(best, **pin), rows, front, result
 
 
 def _raced(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfig, dev, augment: Augment, user_batch: int,
@@ -791,7 +881,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         _prepare_run_dir(run_dir)
     distributed.barrier(world)
 
-    tune_table, front, raced = [], [], {}
+    tune_table, front, raced, tuned = [], [], {}, None
     if resume:
         _same_pack(train_pk, saved["train_pack"], "training")
         if val_pk is not None:
@@ -808,11 +898,13 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         per = f" per process ({world.size} processes)" if world.size > 1 else ""
         raise TrainfastError(f"{train_pk.path}: {n_train} training images{held} are too few for batch size "
                              f"{pin['batch_size']}{per}: give a batch size of at most {n_train // world.size}")
+    threads = _Threads(dev.type == "cpu" and not world.distributed and not cfg.deterministic
+                       and not (speed and speed.threads) and not pin.get("threads"), say)
     if speed is None:
-        speed, tune_table, front = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
-                                          images=n_train, epochs=cfg.epochs, world_size=world.size,
-                                          budget_share=cfg.tune_share) if tune \
-            else (Speed(**pin), [], [])
+        speed, tune_table, front, tuned = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
+                                                 images=n_train, epochs=cfg.epochs, world_size=world.size,
+                                                 budget_share=cfg.tune_share) if tune \
+            else (Speed(**pin), [], [], None)
     reason = _step.check(speed, dev)
     if reason:
         raise TrainfastError(reason)
@@ -845,6 +937,10 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         opt.load_state_dict(ck["optimizer"])
         for g, k in zip(opt.param_groups, kernels):  # this device's kernels, not the saving device's
             g.update(k)
+        if ck["state"].get("shortened"):  # a run the time budget shortened goes on with its shorter plan
+            short = ck["state"]["shortened"]
+            cfg = replace(cfg, epochs=short["epochs"])
+            sched = _tail_scheduler(opt, short["lrs"], short["steps"])
         sched.load_state_dict(ck["scheduler"])
         if scaler is not None and ck.get("scaler"):
             scaler.load_state_dict(ck["scaler"])
@@ -874,14 +970,33 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     stopped, epoch = "finished", state["epoch"]
     interrupts = _Interrupts(world.is_main)
     warned = False  # the loss watch's warning for a run that is stuck but not hopeless: once
+    deadline = _now() + 60 * cfg.minutes if cfg.minutes else None
+    check_rate = tuned is not None and world.is_main  # the run's rate against tune's, once
     try:
         with interrupts:
             while state["epoch"] < cfg.epochs:
-                epoch = state["epoch"]
-                if run.end_epoch(epoch, run.train_epoch(epoch, interrupts, progress)):
+                epoch, began = state["epoch"], _now()
+                with threads:
+                    row = run.train_epoch(epoch, interrupts, progress)
+                    row["threads"] = torch.get_num_threads()
+                row["other_cores"] = threads.load.cores
+                if run.end_epoch(epoch, row):
                     stopped = "early-stopped"
                     say(f"early stop: no better validation accuracy for {cfg.patience} epochs")
                     break
+                if check_rate and (epoch >= 1 or state["epoch"] >= cfg.epochs):  # past the first epoch's warm-up
+                    check_rate = False
+                    _check_tuned_rate(tuned, tune_table, speed, row, say)
+                if deadline and state["epoch"] < cfg.epochs:
+                    now = _now()
+                    more = int((deadline - now) // max(now - began, 1e-9))
+                    if more <= 0:
+                        stopped = "out-of-time"
+                        say(f"time budget: {cfg.minutes:g} minutes spent; stopping after epoch {epoch + 1} of "
+                            f"{cfg.epochs}")
+                        break
+                    if state["epoch"] + more < cfg.epochs:
+                        cfg = _shorten(run, cfg, more, now - began, epoch)
                 watch = (state["losses"], cfg.epochs, classes, lr)
                 if cfg.loss_watch and loss_watch(*watch, [], state["step"], acc=state.get("last_acc")):
                     findings, frozen = _findings(net, train_pk, loader.batch(0, epoch=epoch)[0])
@@ -904,6 +1019,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
             say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
         raise
     finally:
+        threads.restore()
         _given_back(given)
         with contextlib.suppress(Exception):  # the figure is not worth hiding why a run stopped
             run.plot(force=True)

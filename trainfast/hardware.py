@@ -194,7 +194,7 @@ def is_busy(other_cores: float | None) -> bool:
     return other_cores is not None and other_cores >= max(0.25 * usable_cores(), 0.3)
 
 
-def other_cores_now(seconds: float = 0.25) -> float | None:
+def other_cores_now(seconds: float = 0.15) -> float | None:
     """Cores other processes keep busy, sampled over `seconds` now (while this process waits)."""
     with OtherLoad() as load:
         time.sleep(seconds)

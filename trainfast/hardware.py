@@ -215,14 +215,15 @@ def default_threads() -> int:
 _DEFAULT_THREADS: int | None = None
 
 
-def free_threads(other_cores: float | None) -> int:
+def free_threads(other_cores: float | None, threads: int | None = None) -> int:
     """torch's intra-op threads for a machine where other processes keep `other_cores` busy:
-    the default where it is quiet, else the cores left free (at least one).
+    `threads` (default: default_threads()) where it is quiet, else the cores left free, at
+    most `threads` and at least one.
 
     A thread that shares its core with another program holds every parallel region up for the
     rest: on 2 cores with one spinning process, the CIFAR CNN trained at 790 images/s with 2
     threads and 1,990 with 1 (quiet: 1,880 with 2); with three spinning, 300 vs 980."""
-    threads = default_threads()
+    threads = threads or default_threads()
     if not is_busy(other_cores):
         return threads
     return max(1, min(threads, round(physical_cores() - other_cores)))

@@ -174,7 +174,8 @@ def _spread(trials: list[Trial]) -> str:
 def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5, warmup: int = 2,
                   min_seconds: float = MIN_SECONDS) -> Trial:
     """Time training steps at `speed` on in-memory batches, after `warmup` of them: `steps`
-    steps, or more where those would span less than `min_seconds` (at most MAX_STEPS), issued
+    steps (fewer, but at least two, where those span 2 × min_seconds already), or more where
+    those would span less than `min_seconds` (at most MAX_STEPS), issued
     back to back as training issues them (timing.throughput). Also the first batch's loss,
     from the model's own weights."""
     net = copy.deepcopy(model)
@@ -194,7 +195,10 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
             compile_s = time.perf_counter() - t
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=device.type == "cuda" or None)
         probe = step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=warmup, optimizer=opt)
-        n = max(steps, min(MAX_STEPS, math.ceil(min_seconds / max(probe.step, 1e-9))))
+        # At least min_seconds of steps, and `steps` of them unless two already span twice that (a
+        # 512² CNN's 1-2 s steps: five of them made each candidate cost ~8 s of a tune's budget).
+        per = max(probe.step, 1e-9)
+        n = min(MAX_STEPS, max(min(steps, math.ceil(2 * min_seconds / per)), math.ceil(min_seconds / per)))
         rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=1, optimizer=opt)
     except torch.cuda.OutOfMemoryError:
         return Trial(speed, None, note="out of memory")
@@ -241,15 +245,16 @@ def _fill(run, batch: int, max_batch: int) -> Trial:
     return best
 
 
-def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, max_batch: int) -> int:
+def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, max_batch: int,
+                    step_s: float = START_STEP_S) -> int:
     """The first batch to try: 64, or on the CPU less where a training step at 64 would take
-    more than START_STEP_S (the 512² story's CNN: 13 s per step at 64 on 2 cores; a tune of
+    more than step_s (the 512² story's CNN: 13 s per step at 64 on 2 cores; a tune of
     several steps per candidate outlasted a one-epoch run).
 
     A first guess from the cost per image at batch START_PROBE (one fp32 training step of a
     copy, the faster of two after a warm-up; FLOPs instead took 3 s of a 4.8 s tune), then,
     where that guess is below 64, confirmed upward: the batch doubles while one step at the
-    doubled batch, timed, stays within START_STEP_S. A small batch overstates the cost per
+    doubled batch, timed, stays within step_s. A small batch overstates the cost per
     image 2-3×, and one busy moment of a shared machine many times more: a guess from one
     probe alone started a CIFAR CNN's tune at batch 4 beside other programs."""
     b = min(64, max_batch)
@@ -258,24 +263,24 @@ def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, m
     net = copy.deepcopy(model).eval()  # no dropout: the global random state stays as it was
     gen = torch.Generator().manual_seed(0)
 
-    def step_s(batch: int, tries: int) -> float:
-        """The fastest of `tries` steps after a warm-up; a step past START_STEP_S ends them."""
+    def timed(batch: int, tries: int) -> float:
+        """The fastest of `tries` steps after a warm-up; a step past step_s ends them."""
         x = torch.randn(batch, *input_shape, generator=gen)
         times = []
         for _ in range(tries + 1):
             t = time.perf_counter()
             _step.logits_of(net(x)).float().square().mean().backward()
             times.append(time.perf_counter() - t)
-            if times[-1] > START_STEP_S:
+            if times[-1] > step_s:
                 break
         return min(times[1:] or times)
 
     try:
-        per_image = step_s(START_PROBE, 2) / START_PROBE
+        per_image = timed(START_PROBE, 2) / START_PROBE
         guess = b
-        while guess > START_PROBE and guess * per_image > START_STEP_S:
+        while guess > START_PROBE and guess * per_image > step_s:
             guess //= 2
-        while guess < b and step_s(guess * 2, 1) <= START_STEP_S:
+        while guess < b and timed(guess * 2, 1) <= step_s:
             guess *= 2
     except Exception:  # noqa: BLE001 - a model that will not run on random input here: the usual start
         return b
@@ -441,9 +446,10 @@ class _Search:
 
     precisions: list[str]  # the likely winners first: under a tight budget they are the ones timed
 
-    def __init__(self, bench: _Bench, *, batch_size, max_batch, try_rewrites, try_compile, busy: bool):
+    def __init__(self, bench: _Bench, *, batch_size, max_batch, try_rewrites, try_compile, other: float | None):
         self.bench, self.pinned, self.max_batch = bench, batch_size, max_batch
-        self.try_rewrites, self.try_compile, self.busy = try_rewrites, try_compile, busy
+        self.try_rewrites, self.try_compile = try_rewrites, try_compile
+        self.other, self.busy = other, hardware.is_busy(other)  # cores other processes held when the tune began
 
     def reference(self) -> Trial:
         raise NotImplementedError
@@ -537,8 +543,12 @@ class _CpuSearch(_Search):
     precisions = ["bf16", "fp32"]
 
     def reference(self) -> Trial:
-        bench = self.bench
-        start = self.pinned or start_batch_for(bench.model, bench.input_shape, bench.dev, self.max_batch)
+        # A step's allowance in the cores other processes leave free: on a busy machine the start
+        # is the batch the quiet machine would start at (the 512² CNN at 8, not 4, beside one
+        # spinning process), not one shrunk by the load.
+        bench, cores = self.bench, hardware.physical_cores()
+        allowance = START_STEP_S * cores / max(cores - (self.other or 0.0), 0.5) if self.busy else START_STEP_S
+        start = self.pinned or start_batch_for(bench.model, bench.input_shape, bench.dev, self.max_batch, allowance)
         return bench.run(Speed("fp32", False, batch_size=start))
 
     def extra(self, best: Trial) -> Trial:
@@ -626,7 +636,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
                    planned_images=planned_images, budget_share=budget_share)
     threads = torch.get_num_threads()
     other = hardware.other_cores_now() if dev.type == "cpu" else None
-    fewer = hardware.free_threads(other) if dev.type == "cpu" else threads
+    fewer = hardware.free_threads(other, threads) if dev.type == "cpu" else threads
     fewer = fewer if fewer < threads else None
     cuda = dev.type == "cuda"
     log(f"tuning on {dev}: {'the batch that fills the GPU, then ' if cuda and not batch_size else ''}"
@@ -636,8 +646,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         log(f"  other processes keep {other:.1f} of {hardware.usable_cores()} cores busy: timing with {fewer} "
             f"thread{'s' * (fewer != 1)} (the cores left free), not {threads}")
     search = (_CudaSearch if cuda else _CpuSearch)(bench, batch_size=batch_size, max_batch=max_batch,
-                                                     try_rewrites=try_rewrites, try_compile=try_compile,
-                                                     busy=hardware.is_busy(other))
+                                                     try_rewrites=try_rewrites, try_compile=try_compile, other=other)
     try:
         if fewer:
             torch.set_num_threads(fewer)

@@ -149,16 +149,17 @@ class _Threads:
     from a quick sample, then after each epoch from the load measured during it
     (hardware.free_threads); said in the log when they change. Off where the threads are
     pinned (Speed.threads), on a GPU, under torchrun (each rank's neighbours are its peers), and
-    for a deterministic run (the threads change the order of a CPU kernel's sums)."""
+    for a deterministic run (the threads change the order of a CPU kernel's sums). Never more
+    than the threads torch had when the run began; fit puts those back at its end."""
 
     def __init__(self, active: bool, say):
-        self.active, self.say = active, say
+        self.active, self.say, self.cap = active, say, torch.get_num_threads()
         self.load: hardware.OtherLoad | None = None
         if active:
             self.set(hardware.other_cores_now(), "at the start")
 
     def set(self, other: float | None, when: str) -> None:
-        want, now = hardware.free_threads(other), torch.get_num_threads()
+        want, now = hardware.free_threads(other, self.cap), torch.get_num_threads()
         if want != now:
             torch.set_num_threads(want)
             why = (f"other processes kept {other:.1f} of {hardware.usable_cores()} cores busy {when}" if want < now
@@ -174,10 +175,6 @@ class _Threads:
         if self.active and exc[0] is None:
             self.set(self.load.cores, "during that epoch")
         return False
-
-    def restore(self) -> None:
-        if self.active:
-            torch.set_num_threads(hardware.default_threads())
 
 
 class _Interrupts:
@@ -831,7 +828,11 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
     # is in use already (forking every GPU's would start CUDA on each, in each torchrun process).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with _determinism(cfg.deterministic), torch.random.fork_rng(devices=cuda):
-        return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, tune, progress, log)
+        threads = torch.get_num_threads()  # a run may lower them for a while (_Threads) or pin them (Speed.threads)
+        try:
+            return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, tune, progress, log)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _working_copy(net: torch.nn.Module) -> torch.nn.Module:
@@ -1019,7 +1020,6 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
             say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
         raise
     finally:
-        threads.restore()
         _given_back(given)
         with contextlib.suppress(Exception):  # the figure is not worth hiding why a run stopped
             run.plot(force=True)

@@ -198,7 +198,7 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
         # At least min_seconds of steps, and `steps` of them unless two already span twice that (a
         # 512² CNN's 1-2 s steps: five of them made each candidate cost ~8 s of a tune's budget).
         per = max(probe.step, 1e-9)
-        n = min(MAX_STEPS, max(min(steps, math.ceil(2 * min_seconds / per)), math.ceil(min_seconds / per)))
+        n = min(MAX_STEPS, max(min(steps, max(2, math.ceil(2 * min_seconds / per))), math.ceil(min_seconds / per), 1))
         rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=1, optimizer=opt)
     except torch.cuda.OutOfMemoryError:
         return Trial(speed, None, note="out of memory")

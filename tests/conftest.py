@@ -27,6 +27,21 @@ def write_images(root, classes=("cat", "dog"), per_class=12, seed=0, ext=".jpg")
     return root
 
 
+def other_load(monkeypatch, cores, machine_cores: int | None = 2):
+    """Pretend other processes keep `cores` (a number, or a function called per measurement)
+    busy during every hardware.OtherLoad measurement, on a machine of `machine_cores` cores
+    whose torch starts with as many threads (None: this machine's)."""
+    from trainfast import hardware
+
+    def exit_(self, *exc):
+        self.cores = cores() if callable(cores) else cores
+        return False
+    monkeypatch.setattr(hardware.OtherLoad, "__exit__", exit_)
+    if machine_cores:
+        for name in ("usable_cores", "physical_cores", "default_threads"):
+            monkeypatch.setattr(hardware, name, lambda: machine_cores)
+
+
 def png_bomb(path, width=40000, height=40000):
     """A tiny PNG whose header claims a huge image: Pillow must refuse it before decoding."""
     def chunk(kind, data):

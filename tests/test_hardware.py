@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from conftest import other_load
 from trainfast import hardware
 
 
@@ -34,14 +35,6 @@ def test_fast_precisions_follow_the_cpu_flags(monkeypatch):
     assert hardware.fast_precisions(cpu) == ()  # bf16 would be emulated; fp16 never on a CPU
 
 
-def _load(monkeypatch, cores):
-    """Pretend other processes keep `cores` busy during every OtherLoad measurement."""
-    def exit_(self, *exc):
-        self.cores = cores() if callable(cores) else cores
-        return False
-    monkeypatch.setattr(hardware.OtherLoad, "__exit__", exit_)
-
-
 def test_threads_follow_the_cores_other_processes_leave_free(monkeypatch):
     monkeypatch.setattr(hardware, "physical_cores", lambda: 4)
     monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
@@ -55,14 +48,13 @@ def test_peaks_measured_on_a_busy_machine_are_used_but_not_cached(monkeypatch):
     cpu = torch.device("cpu")
     fake = {"matmul_flops": {"float32": 1e9}, "copy_bytes": 1e9}
     monkeypatch.setattr(hardware, "measure_peaks", lambda d: dict(fake))
-    monkeypatch.setattr(hardware, "usable_cores", lambda: 2)
     monkeypatch.setattr(hardware, "machine_key", lambda d: "test-busy-peaks")
-    _load(monkeypatch, 1.3)
+    other_load(monkeypatch, 1.3)
     busy = hardware.peaks(cpu)
     assert busy["busy"] and not busy["cached"] and busy["other_cores"] == 1.3
     assert not hardware.peaks(cpu)["cached"]  # measured again: the busy figure was not kept
-    _load(monkeypatch, 0.0)
+    other_load(monkeypatch, 0.0)
     quiet = hardware.peaks(cpu)
     assert not quiet["busy"] and not quiet["cached"] and hardware.peaks(cpu)["cached"]
-    _load(monkeypatch, 1.3)  # a busy remeasure keeps the quiet figure
+    other_load(monkeypatch, 1.3)  # a busy remeasure keeps the quiet figure
     assert hardware.peaks(cpu, remeasure=True)["cached"]

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import trainfast
-from conftest import SMALL_NET as SMALL_NET_SOURCE, Signals
+from conftest import SMALL_NET as SMALL_NET_SOURCE, Signals, other_load
 from trainfast.cli import main
 from trainfast.config import Speed, TrainConfig
 from trainfast.errors import TrainfastError
@@ -478,24 +478,13 @@ class TupleNet(torch.nn.Module):
         return out, x.flatten(1)  # logits and features: which is which is not for trainfast to guess
 
 
-def _other_load(monkeypatch, cores):
-    from trainfast import hardware
-
-    def exit_(self, *exc):
-        self.cores = cores() if callable(cores) else cores
-        return False
-    monkeypatch.setattr(hardware.OtherLoad, "__exit__", exit_)
-    for name in ("usable_cores", "physical_cores", "default_threads"):
-        monkeypatch.setattr(hardware, name, lambda: 2)
-
-
 def test_cpu_threads_follow_other_processes_load_epoch_by_epoch(digits_packs, tmp_path, monkeypatch):
     """Busy at the start and in epoch 1, quiet in epoch 2: one thread for epochs 1-2, two again for
     epoch 3; each change said, each epoch's load and threads in metrics.csv, torch's threads as
     they were after."""
     train, _ = digits_packs
     loads = iter([1.0, 1.0, 0.0, 0.0])  # the start's sample, then one measurement per epoch
-    _other_load(monkeypatch, lambda: next(loads, 0.0))
+    other_load(monkeypatch, lambda: next(loads, 0.0))
     torch.set_num_threads(2)
     said = []
     r = fit("cifar_cnn", train, config=TrainConfig(epochs=3), speed=Speed(batch_size=64), device="cpu",

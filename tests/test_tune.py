@@ -1,6 +1,7 @@
 import torch
 import torch.nn as nn
 
+from conftest import other_load
 from trainfast import tuning as tune_mod
 from trainfast.cli import main
 from trainfast.models import rewrite
@@ -323,22 +324,10 @@ def test_rewrites_that_match_nothing_are_not_timed():
     assert any(s.rewrites for s in tried)  # _net's ReLU after a convolution can be made in place
 
 
-def _busy(monkeypatch, cores):
-    from trainfast import hardware
-
-    def exit_(self, *exc):
-        self.cores = cores() if callable(cores) else cores
-        return False
-    monkeypatch.setattr(hardware.OtherLoad, "__exit__", exit_)
-    monkeypatch.setattr(hardware, "usable_cores", lambda: 2)
-    monkeypatch.setattr(hardware, "physical_cores", lambda: 2)
-    monkeypatch.setattr(hardware, "default_threads", lambda: 2)
-
-
 def test_a_busy_machine_is_timed_with_the_free_cores_said_and_not_cached(monkeypatch):
     """Other processes hold one of two cores: tune times with one thread, says so in its log and
     table, puts the threads back, and the next tune measures again instead of reusing it."""
-    _busy(monkeypatch, 1.0)
+    other_load(monkeypatch, 1.0)
     torch.set_num_threads(2)
     threads, said = [], []
 
@@ -353,7 +342,7 @@ def test_a_busy_machine_is_timed_with_the_free_cores_said_and_not_cached(monkeyp
     r2 = tune(_net(), (3, 8, 8), device="cpu", measure=lambda *a: again.append(1) or measure(*a), try_compile=False,
               log=lambda m: None)
     assert again and not r2.cached
-    _busy(monkeypatch, 0.0)  # quiet now: measured, cached, and reused from then on
+    other_load(monkeypatch, 0.0)  # quiet now: measured, cached, and reused from then on
     r3 = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, log=lambda m: None)
     r4 = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, log=lambda m: None)
     assert not r3.cached and not r3.busy and r4.cached and "busy" not in r3.table()
@@ -367,7 +356,7 @@ def test_the_batch_search_does_not_stop_below_64_on_slow_timings_or_while_others
     def measure(model, shape, out, speed, device):
         loud["now"] = speed.batch_size in (128, 256)  # a burst of load during those two timings
         return Trial(speed, rates[speed.batch_size], 2.0)
-    _busy(monkeypatch, lambda: 1.5 if loud["now"] else 0.0)
+    other_load(monkeypatch, lambda: 1.5 if loud["now"] else 0.0)
     r = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, try_rewrites=False, retune=True,
              log=lambda m: None)
     assert r.best.batch_size == 512  # 16 and 32 slower, but 64 is timed; 128 and 256 slower in a burst, 512 timed

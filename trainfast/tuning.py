@@ -129,9 +129,9 @@ class TuneResult:
         merged = [replace(ts[0], images_per_s=_median(ts), note=ts[0].note if len(ts) == 1 else
                           "median of " + ", ".join(units.rate(t.images_per_s) for t in ts) + _spread(ts))
                   for ts in timed.values()]
-        for m, ts in zip(merged, timed.values()):
+        for m, ts in zip(merged, timed.values()):  # a burst of load on a quiet tune: the rows it fell on
             loads = [t.other_cores for t in ts if t.other_cores is not None]
-            if loads and hardware.is_busy(max(loads)):
+            if loads and hardware.is_busy(max(loads)) and not self.busy:
                 m.note = "; ".join(n for n in (m.note, f"other processes held {max(loads):.1f} cores") if n)
         ok = sorted(merged, key=lambda r: -r.images_per_s)
         base = next((r.images_per_s for r in self.rows if r.images_per_s and r.speed.precision == "fp32"
@@ -655,11 +655,10 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     finally:
         torch.set_num_threads(threads)
     not_timed = list(dict.fromkeys(bench.not_timed))  # a setting the budget skipped in several phases, once
+    # A GPU's speed does not hang on other processes' CPU time as a CPU's does: its choice stands (the rows keep the load)
     result = TuneResult(best.speed, bench.rows, seconds=_clock() - bench.started, not_timed=not_timed,
-                        budget_s=bench.budget(), other_cores=load.cores, threads=fewer, key=key)
-    if result.busy:
-        log("  " + result.load_line())
-    entry = {"best": asdict(best.speed), "rows": [r.to_dict() for r in bench.rows], "other_cores": load.cores,
+                        budget_s=bench.budget(), other_cores=None if cuda else load.cores, threads=fewer, key=key)
+    entry = {"best": asdict(best.speed), "rows": [r.to_dict() for r in bench.rows], "other_cores": result.other_cores,
              "busy": result.busy}
     if not_timed:
         log(f"  the tune's budget ({bench.budget():.1f} s) left {len(not_timed)} settings untimed; cached with that "

@@ -2,6 +2,8 @@ import json
 
 import pytest
 
+import torch
+
 from trainfast.cli import main
 
 
@@ -86,3 +88,16 @@ def test_the_speed_comparison_is_left_out_when_other_processes_loaded_either_sid
     busy = " ".join(_speed_lines(s, "skimage"))
     assert "cut the run to 7 of the 10 planned epochs" in busy and "training: 2.5 of" in busy
     assert "not compared" in busy and " vs " not in busy
+
+
+def test_the_demos_training_budget_keeps_the_plan_and_never_runs_past_1_3_times_the_budget():
+    from trainfast.demo import DemoConfig, training_minutes
+
+    cfg, cpu = DemoConfig(minutes=5), torch.device("cpu")
+    # 100 s spent, 15 s kept: 185 s left; 10 planned epochs of 12 s fit, with room: the rest of the budget
+    assert training_minutes(cfg, cpu, 100, 10, 12.0) * 60 == pytest.approx(185)
+    # 10 epochs of 17 s (the floor of 10 planned) need 196 s with 15% to spare: allowed, under 1.3 × 300 - 115
+    assert training_minutes(cfg, cpu, 100, 10, 17.0) * 60 == pytest.approx(195.5)
+    # a busy machine's 10 epochs of 115 s: cut at 1.3 × the budget
+    assert training_minutes(cfg, cpu, 262, 10, 115.0) * 60 == pytest.approx(1.3 * 300 - 262 - 15)
+    assert training_minutes(cfg, cpu, 400, 10, 115.0) > 0  # spent already: one epoch, then stop

@@ -533,7 +533,7 @@ def test_a_time_budget_shortens_the_run_and_a_resume_keeps_the_shorter_plan(digi
 def test_a_spent_time_budget_stops_after_the_epoch(digits_packs, tmp_path):
     train, _ = digits_packs
     said = []
-    r = fit("cifar_cnn", train, config=TrainConfig(epochs=5, minutes=1e-5), speed=Speed(batch_size=64),
+    r = fit("cifar_cnn", train, epochs=5, minutes=1e-5, speed=Speed(batch_size=64),
             device="cpu", run_dir=tmp_path / "run", progress=False, log=said.append)
     assert r.stopped == "out-of-time" and len(r.history) == 1 and any("minutes spent" in m for m in said)
 

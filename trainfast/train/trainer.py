@@ -789,7 +789,7 @@ def _determinism(on: bool):
 
 
 def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
-        optimizer: str | None = None, config: TrainConfig | None = None, speed: Speed | None = None,
+        optimizer: str | None = None, minutes: float | None = None, config: TrainConfig | None = None, speed: Speed | None = None,
         pin: dict | None = None, augment: Augment | None = None, device=None, run_dir=None,
         resume: bool = False, tune: bool = True, progress: bool = True, log=print) -> FitResult:
     """Train `model` on the pack `train`, validating on `val` (or a held-out split).
@@ -799,8 +799,10 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
     Args:
         model: an nn.Module or a registered name.
         train, val: packs (or their paths); without `val`, config.val_fraction is held out.
-        epochs, batch_size, lr, optimizer: as `trainfast train` names them; they override
-            `config`, and a batch_size is pinned (tuning keeps it).
+        epochs, batch_size, lr, optimizer, minutes: as `trainfast train` names them; they
+            override `config`, and a batch_size is pinned (tuning keeps it). minutes: a
+            wall-clock budget for the epochs (the run cut to what fits, its learning rate
+            annealed over them; FitResult.stopped "out-of-time" where not one more fits).
         config: a TrainConfig; speed: the settings to use (default: tuned on this machine
             when tune=True, else Speed(); where tune times a larger batch clearly faster, the
             batches are raced to a loss on `train` first, see train/race.py); pin: settings
@@ -814,7 +816,8 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
         FitResult with the history and the best validation accuracy.
     """
     cfg = replace(config or TrainConfig(), **{k: v for k, v in (("epochs", epochs), ("lr", lr),
-                                                               ("optimizer", optimizer)) if v is not None})
+                                                               ("optimizer", optimizer), ("minutes", minutes))
+                                                  if v is not None})
     if batch_size is not None:
         pin = {**(pin or {}), "batch_size": batch_size}
     _check_config(cfg)

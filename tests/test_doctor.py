@@ -293,3 +293,18 @@ def test_rates_keep_their_significant_digits():
     from trainfast import units
     assert [units.rate(v) for v in (0.8123, 1.39, 12.34, 123.4, 251603)] == ["0.812", "1.39", "12.3", "123", "251,603"]
     assert units.ms(0.004) == "4.00" and units.rate(99.96) == "100"
+
+
+def test_on_a_busy_machine_the_doctor_tries_the_threads_left_free(pack, monkeypatch):
+    """Other programs hold one of two cores: fewer threads is one of the fixes timed on the spot."""
+    from conftest import other_load
+
+    other_load(monkeypatch, 1.0)
+    monkeypatch.setattr(hardware, "peaks", lambda d, remeasure=False: {"matmul_flops": {"float32": 1e11},
+                                                                        "copy_bytes": 1e10, "cached": True})
+    torch.set_num_threads(2)
+    said = []
+    r = doctor(Tiny(), pack, batch_size=16, steps=2, warmup=1, device="cpu", log=said.append)
+    assert any("trying 1 intra-op thread while other programs hold 1.0 of 2 cores" in m for m in said)
+    assert torch.get_num_threads() == 2  # the trial's threads are put back
+    assert r.other_load == 1.0

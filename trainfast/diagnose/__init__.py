@@ -318,8 +318,16 @@ def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recomm
             bigger = min(speed.batch_size * 4, 128)
             candidates.append((replace(speed, batch_size=bigger), f"batch size {bigger}",
                                f"--batch-size {bigger} (scale the learning rate with it)"))
-        cores = hardware.physical_cores()
-        if dev.type == "cpu" and torch.get_num_threads() < cores:
+        cores, threads = hardware.physical_cores(), torch.get_num_threads()
+        other = hardware.other_cores_now() if dev.type == "cpu" else None
+        fewer = hardware.free_threads(other, threads)
+        if fewer < threads:  # other programs hold cores: a thread sharing one holds up the rest (docs/TRAINING.md)
+            candidates.append((replace(speed, threads=fewer),
+                               f"{fewer} intra-op thread{'s' * (fewer != 1)} while other programs hold "
+                               f"{other:.1f} of {cores} cores",
+                               f"torch.set_num_threads({fewer})   (trainfast train sets its threads by the load "
+                               "itself, epoch by epoch)"))
+        elif dev.type == "cpu" and threads < cores:
             candidates.append((replace(speed, threads=cores), f"{cores} intra-op threads",
                                f"torch.set_num_threads({cores})"))
         bar.total += _TRIAL_STEPS * len(candidates)
@@ -331,7 +339,9 @@ def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recomm
                 continue
             gain = rate / base
             new_step = t.data + compute_step / gain
-            recs.append(Recommendation(title, action + f"\ntrainfast train … {_train_flags(cand)}", t.step / new_step, True,
+            # fewer threads for the load: trainfast train follows it by itself (a pinned --threads would stop that)
+            train = "" if cand.threads and cand.threads < threads else f"\ntrainfast train … {_train_flags(cand)}"
+            recs.append(Recommendation(title, action + train, t.step / new_step, True,
                                        f"compute side {units.rate(base)} → {units.rate(rate)} images/s"))
         torch.set_num_threads(report.system["torch_threads"])
 

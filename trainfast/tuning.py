@@ -110,10 +110,6 @@ class TuneResult:
                 f"{hardware.usable_cores()} cores busy on average while tune measured{fewer}. The choice is not "
                 "cached as this machine's: the next tune measures again")
 
-    def chosen_rate(self) -> float | None:
-        """The median images/s timed for the chosen setting (None if it was not timed)."""
-        rates = [r.images_per_s for r in self.rows if r.images_per_s and r.speed == self.best]
-        return statistics.median(rates) if rates else None
 
     def __repr__(self) -> str:  # a notebook cell shows the table and the choice, not the dataclass
         return f"TuneResult ({len(self.rows)} timings):\n{self.table()}"

@@ -487,17 +487,20 @@ def _epoch_line(row: dict, sequence: bool) -> str:
             f"{units.rate(row['seconds'])} s")
 
 
+def _timed_rate(rows: list[dict], label: str) -> float | None:
+    """The median images/s tune timed for the setting `label` (a setting timed several times
+    counts at its median, as tune's table shows it); None if it was not timed."""
+    rates = [r["images_per_s"] for r in rows if r["label"] == label and r["images_per_s"]]
+    return statistics.median(rates) if rates else None
+
+
 def _pays(best: Speed, rows: list, planned_images: int, say) -> Speed:
     """`best` if it is not compiled, or if its compile time is won back over the planned
     images; else the same settings uncompiled."""
     if not best.compile:
         return best
     plain = replace(best, compile=False)
-
-    def median_rate(label):  # a setting timed several times counts at its median, as tune's table shows it
-        rates = [r["images_per_s"] for r in rows if r["label"] == label and r["images_per_s"]]
-        return statistics.median(rates) if rates else None
-    fast, slow = median_rate(best.label()), median_rate(plain.label())
+    fast, slow = _timed_rate(rows, best.label()), _timed_rate(rows, plain.label())
     if fast is None or slow is None:
         return best
     compile_s = max(r["compile_s"] for r in rows if r["label"] == best.label())
@@ -522,10 +525,9 @@ def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say) ->
     (then dropped from the cache, so that the next run measures again)."""
     from trainfast.tuning import forget
 
-    timed = [r["images_per_s"] for r in tried if r["label"] == speed.label() and r["images_per_s"]]
-    if not timed or row["images_per_s"] >= RATE_OFF * statistics.median(timed):
+    rate = _timed_rate(tried, speed.label())
+    if rate is None or row["images_per_s"] >= RATE_OFF * rate:
         return
-    rate = statistics.median(timed)
     said = (f"epoch {row['epoch'] + 1} trained at {units.rate(row['images_per_s'])} images/s, "
             f"{row['images_per_s'] / rate:.2f}× the {units.rate(rate)} tune timed for {speed.label()}")
     if hardware.is_busy(row.get("other_cores")):

@@ -110,7 +110,6 @@ class TuneResult:
                 f"{hardware.usable_cores()} cores busy on average while tune measured{fewer}. The choice is not "
                 "cached as this machine's: the next tune measures again")
 
-
     def __repr__(self) -> str:  # a notebook cell shows the table and the choice, not the dataclass
         return f"TuneResult ({len(self.rows)} timings):\n{self.table()}"
 

@@ -70,6 +70,16 @@ def image_folder(tmp_path):
     return write_images(tmp_path / "photos")
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_back():
+    """A test that sets torch's threads (the busy-machine tests pretend a 2-core machine) leaves
+    the next test the threads it found: on a 16-core GPU machine the rest of the suite would
+    otherwise run on 2."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _cache_in_tmp(tmp_path_factory):
     """Measured peaks and tune choices go to a per-session cache, not the user's home."""

@@ -22,6 +22,19 @@ def test_folder_classes_sorted_and_recursive(tmp_path):
     assert list(src.labels).count(0) == 4
 
 
+def test_the_printed_pack_command_is_shell_quoted(tmp_path):
+    """Pasting the doctor's command for a folder named `photos $(id>PWNED)` runs nothing and keeps
+    each path one argument."""
+    import shlex
+    import subprocess
+
+    root = write_images(tmp_path / "photos $(id>PWNED)", classes=("a b", "c"), per_class=1)
+    cmd = from_folder(root).pack_command("my out.pack", "64x128")
+    assert shlex.split(cmd)[2:4] == [str(root), "my out.pack"]
+    subprocess.run(["bash", "-c", "echo " + cmd], cwd=tmp_path, check=True, capture_output=True)
+    assert not (tmp_path / "PWNED").exists()
+
+
 def test_folder_without_class_subfolders_says_how(tmp_path):
     write_images(tmp_path / "d", classes=("a",), per_class=2)
     flat = tmp_path / "d" / "a"

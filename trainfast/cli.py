@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from enum import IntEnum
 
@@ -441,7 +442,7 @@ def _resumable(a) -> dict:
     elif not a.model:
         raise TrainfastError(f"{a.resume}/config.json names the model {spec!r}, code in a file, and trainfast runs no "
                              f"code that a run directory names. If you trust that file, name it yourself: "
-                             f"trainfast train --resume {a.resume} --model {spec}")
+                             f"trainfast train --resume {shlex.quote(str(a.resume))} --model {shlex.quote(spec)}")
     return saved
 
 

@@ -64,8 +64,10 @@ class Source:
         return len(self.keys)
 
     def pack_command(self, out: str, size: str) -> str:
-        """The `trainfast pack` command that reads this source as it was read here."""
-        return f"trainfast pack {self.origin} {out} --size {size}" + (f" {self.pack_flags}" if self.pack_flags else "")
+        """The `trainfast pack` command that reads this source as it was read here, shell-quoted
+        for pasting (a folder named `photos $(id)` stays one argument)."""
+        return (f"trainfast pack {shlex.quote(self.origin)} {shlex.quote(out)} --size {shlex.quote(size)}"
+                + (f" {self.pack_flags}" if self.pack_flags else ""))
 
 
 def open_source(path, *, path_column="path", label_column="label", label_kind="auto",

@@ -12,6 +12,7 @@ with each candidate fix to measure what it buys.
 from __future__ import annotations
 
 import copy
+import shlex
 import shutil
 import tempfile
 import time
@@ -283,7 +284,7 @@ def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recomm
                 "Pack the images once onto a local disk, then stream the pack" if storage.get("storage_bound")
                 else "Pack the images once, then stream the pack",
                 f"{src.pack_command('DATA.pack', f'{shape[1]}x{shape[2]}')}\n"
-                f"trainfast train DATA.pack --model {cmd_model}",
+                f"trainfast train DATA.pack --model {shlex.quote(cmd_model)}",
                 t.step / new, True,
                 f"a pack of a sample of your files loads a batch in {units.ms(per_batch)} ms; your pipeline "
                 f"took {units.ms(t.data)} ms" + (f"; {storage['sentence']}" if storage else "")))

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import statistics
 import threading
@@ -1022,7 +1023,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
             say(f"\ninterrupted mid-step; the last checkpoint {run_dir / 'last.pt'} is from before it")
         else:
             run.save(epoch)
-            say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {run_dir}")
+            say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {shlex.quote(str(run_dir))}")
         raise
     finally:
         _given_back(given)

@@ -52,3 +52,74 @@ def test_missing_keras_says_how_to_install(monkeypatch):
     with pytest.raises(ImportError, match="pip install keras"):
         importlib.import_module("trainfast.keras")
     monkeypatch.delitem(sys.modules, "trainfast.keras", raising=False)
+
+
+def _small_model(policy_last_float32=True):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(8, 3, activation="relu"),
+                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_keras_tune_times_the_settings_on_a_copy_and_says_what_to_paste(digits_packs):
+    """The model's own setting is timed first, then the alternatives this backend has; the user's
+    model keeps its weights; the result prints its table and the lines that won."""
+    from trainfast.keras import PackDataset, tune
+
+    train, _ = digits_packs
+    model = _small_model()
+    before = [w.copy() for w in model.get_weights()]
+    logged = []
+    r = tune(model, PackDataset(train, batch_size=32), max_seconds=30, log=logged.append)
+    assert r.backend == "torch" and r.device == "cpu"
+    assert r.trials[0] is r.base and r.base.setting.batch_size == 32 and r.base.images_per_s > 0
+    assert r.base.setting.policy == "float32" and r.base.setting.jit_compile is False
+    assert {t.setting.batch_size for t in r.trials} >= {32, 64}  # a larger batch was timed
+    assert any("torch.compile" in n for n in r.not_tried)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))  # copies were trained
+    assert r.best.images_per_s >= r.base.images_per_s
+    text = repr(r)
+    assert "trainfast.keras.tune" in text and ("keep what you have" in text or "batch_size=" in text
+                                               or "set_dtype_policy" in text)
+    assert any(line.startswith("best:") for line in logged)
+
+
+def test_keras_tune_policies_follow_the_device(monkeypatch):
+    from trainfast import hardware
+    from trainfast.keras import _policies
+
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
+    assert _policies("cpu") == ["float32"]  # bf16 emulated: not worth timing
+    monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: True)
+    assert _policies("cpu") == ["float32", "mixed_bfloat16"]
+    assert _policies("gpu sm61") == ["float32"]  # a GTX 1080: fp16 without tensor cores
+    assert _policies("gpu sm75") == ["float32", "mixed_float16"]
+    assert _policies("gpu sm90") == ["float32", "mixed_float16", "mixed_bfloat16"]
+
+
+def test_keras_tune_says_what_it_needs():
+    from trainfast.errors import TrainfastError
+    from trainfast.keras import tune
+
+    x, y = np.zeros((4, 32, 32, 3), np.float32), np.zeros(4, np.int64)
+    bare = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(), keras.layers.Dense(10)])
+    with pytest.raises(TrainfastError, match="compiled model"):
+        tune(bare, (x, y))
+    with pytest.raises(TrainfastError, match="as many labels as images"):
+        tune(_small_model(), (x, y[:3]))
+    with pytest.raises(TrainfastError, match="not dict"):
+        tune(_small_model(), {"x": x})
+
+    class Sub(keras.Model):  # a subclassed model: clone_model cannot copy it
+        def __init__(self):
+            super().__init__()
+            self.d = keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.d(keras.ops.mean(x, axis=(1, 2)))
+
+    sub = Sub()
+    sub.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(TrainfastError, match="clone_model"):
+        tune(sub, (x, y), log=lambda m: None)

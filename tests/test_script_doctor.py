@@ -4,6 +4,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from trainfast.cli import main
@@ -105,6 +106,34 @@ def test_keras_sequence_with_skimage_is_input_bound_and_the_culprit_is_named(tmp
     assert r.model["params"] == sum(l["params"] for l in r.layers) > 0
     assert r.data_source["kind"].startswith("keras PyDataset")
 
+    # the recipe: the exact pack command for the CSV the script read, the line to change, measured
+    rec = r.recommendations[0]
+    assert rec.title.startswith("Pack the images once") and rec.measured and rec.speedup > 1.2, rec
+    command = rec.action.splitlines()[0]
+    out = f"{plates_dir.name}.pack"  # named after the CSV's folder
+    assert command == f"trainfast pack {plates_dir / 'labels.csv'} {out} --size 64x128 --label-column plate"
+    assert f"data = PackDataset('{out}', batch_size=16)   # was: Plates(...)" in rec.action
+    assert any(f.startswith(f"the images the script reads (under {plates_dir / 'images'})") for f in r.findings)
+    assert "What to do, ranked by expected gain" in r.text() and "<ol>" in r.html()
+
+    # pasted as printed (the pack lands in the current folder), then the one-line change: no recipe,
+    # no storage line for the folder the script no longer opens
+    import os
+    import shlex
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(shlex.split(command)[1:]) == 0
+    finally:
+        os.chdir(cwd)
+    switched = _script(tmp_path, KERAS_SEQUENCE.replace(
+        "model.fit(Plates(rows)", f"from trainfast.keras import PackDataset\nmodel.fit(PackDataset("
+        f"{str(tmp_path / out)!r}, batch_size=16)"), name="switched.py")
+    r2 = doctor_script(["python", str(switched), str(plates_dir), str(marker)], steps=4, fixes=False,
+                       log=lambda m: None)
+    assert r2.data_source.get("reads") == "a trainfast pack" and len(r2.timed) == 4, r2.stopped
+    assert not r2.recommendations and not any("the images the script reads" in f for f in r2.findings)
+
 
 def test_pytorch_in_memory_is_not_input_bound(tmp_path):
     script = _script(tmp_path, TORCH_IN_MEMORY)
@@ -190,25 +219,24 @@ def test_findings_blame_a_named_function_only_when_it_holds_the_time():
     assert "numpy.take" not in minor[0] and "trainfast pack" in minor[0]
 
 
-def test_the_storage_of_an_image_folder_named_on_the_command_line_is_measured(image_folder, tmp_path):
-    """The plate story's script took its data folder as an argument (on a network drive): the
-    doctor reads a sample of the images there apart from decoding, against the data time."""
+def test_the_storage_of_the_images_the_script_read_is_measured(image_folder, tmp_path):
+    """The plate story's images sat on a network drive: the doctor reads the images the script
+    read again, alone and cold, against the data time per image; a script that reads no image
+    file (it moved to a pack) gets no storage line."""
     from trainfast.diagnose.script import ScriptReport, Step, _storage_findings
     system = {"device": "cpu", "usable_cores": 2, "torch_threads": 2, "cuda_available": False}
-    csv = image_folder / "labels.csv"
-    csv.write_text("path,label\n")
+    files = sorted(str(p) for p in image_folder.rglob("*.jpg"))
 
-    def report(data_s, *args):
+    def report(data_s):
         steps = [Step(seconds=0.1, data=data_s, batch_size=64) for _ in range(6)]
-        return ScriptReport(command=["python", "t.py", *args], framework="pytorch", stopped="", steps=steps,
-                            warmup=2, system=system)
-    found = _storage_findings(report(0.05, str(image_folder), "--epochs", "3", str(tmp_path / "nothing")))
-    assert len(found) == 1 and found[0].startswith(f"the images under {image_folder} (named on the command line): "
+        return ScriptReport(command=["python", "t.py", str(image_folder)], framework="pytorch", stopped="",
+                            steps=steps, warmup=2, system=system)
+    found = _storage_findings(report(0.05), files)
+    assert len(found) == 1 and found[0].startswith(f"the images the script reads (under {image_folder}): "
                                                    "reading the files alone")
     assert "files/s" in found[0] and "of the data time per image" in found[0]
-    assert len(_storage_findings(report(0.05, str(csv)))) == 1  # a CSV: the images in its folder
-    assert _storage_findings(report(0.001, str(image_folder))) == []  # not input-bound: nothing to say
-    assert _storage_findings(report(0.05, str(tmp_path / "nothing"))) == []
+    assert _storage_findings(report(0.001), files) == []  # not input-bound: nothing to say
+    assert _storage_findings(report(0.05), []) == []  # read nothing (a pack): the folder named is not measured
 
 
 def test_findings_on_a_pack_reader_do_not_advise_packing():
@@ -254,3 +282,97 @@ def test_the_command_exits_though_the_stopped_script_left_threads_behind(tmp_pat
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "VERDICT" in p.stdout and "3 timed steps" in p.stdout
+
+
+TORCH_FOLDER = '''
+import os, sys
+import numpy as np
+import torch
+import torch.nn as nn
+from PIL import Image
+
+root = sys.argv[1]
+files = [(os.path.join(root, c, f), i) for i, c in enumerate(sorted(os.listdir(root))) for f in sorted(os.listdir(os.path.join(root, c)))]
+
+
+class Photos(torch.utils.data.Dataset):
+    def __len__(self):
+        return len(files)
+
+    def __getitem__(self, i):
+        path, label = files[i]
+        img = np.asarray(Image.open(path).convert("RGB").resize((40, 32)), np.float32) / 255
+        time_sink = sum(np.asarray(Image.open(path).convert("RGB").resize((400, 320))).sum() for _ in range(3))
+        return torch.from_numpy(img).permute(2, 0, 1), label
+
+
+net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+for epoch in range(20):
+    for x, y in torch.utils.data.DataLoader(Photos(), batch_size=4, shuffle=False):
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+'''
+
+
+def test_a_pytorch_script_reading_class_folders_gets_the_folder_pack_command(tmp_path, image_folder):
+    """Files read from class folders (here in order, so the first steps read one class only): the
+    recipe packs the whole folder at the batches' own size, with the Loader's time per batch."""
+    import shlex
+    script = _script(tmp_path, TORCH_FOLDER)
+    r = doctor_script(["python", str(script), str(image_folder)], steps=1, log=lambda m: None)  # 12 images: cat/ only
+    assert r.framework == "pytorch" and r.data_share >= 0.2, r.verdict
+    rec = r.recommendations[0]
+    assert rec.title == "Pack the images once, then stream the pack" and rec.measured and rec.speedup > 1
+    assert shlex.split(rec.action.splitlines()[0]) == ["trainfast", "pack", str(image_folder), "photos.pack",
+                                                       "--size", "32x40"]
+    assert "Loader('photos.pack', batch_size=4" in rec.action and "2 class folders" not in rec.evidence
+    assert f"the 24 images in the class folders of {image_folder}" in rec.evidence
+
+
+def _probe_with(files, csvs=(), batch=None):
+    from trainfast.diagnose.probes import _Probe
+    p = _Probe(1, 1.0, 0)
+    for f in files:
+        p.files_read[str(f)] = True
+    p.csvs_read = [str(c) for c in csvs]
+    p.first_batch = batch if batch is not None else (np.zeros((2, 64, 128, 3), np.float32), np.zeros((2, 8)))
+    return p
+
+
+def test_the_recipe_finds_the_csv_that_lists_the_images_and_guesses_its_label_column(tmp_path, image_folder):
+    from trainfast.diagnose.recipe import find_recipe
+    files = sorted(image_folder.rglob("*.jpg"))
+    rows = "\n".join(f"{f.relative_to(tmp_path)},{f.parent.name},x" for f in files)
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    listed = tmp_path / "list.csv"
+    listed.write_text("file,kind,extra\n" + rows + "\n")
+    recipe, why = find_recipe(_probe_with(files[:6], [listed, tmp_path / "other.csv"]), "keras")
+    assert recipe is not None, why
+    assert recipe.command == f"trainfast pack {listed} {tmp_path.name}.pack --size 64x128 --path-column file " \
+                             "--label-column kind"
+    assert recipe.notes and "'kind' is a guess" in recipe.notes[0]
+    assert recipe.source.classes == ["cat", "dog"] and len(recipe.source) == len(files)
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for f in files[:3]:
+        (flat / f.name).write_bytes(f.read_bytes())
+    recipe, why = find_recipe(_probe_with(sorted(flat.iterdir())), "keras")
+    assert recipe is None and "sit in one folder" in why and "cannot tell their labels" in why
+
+    recipe, why = find_recipe(_probe_with(files[:2], batch=(np.zeros((2, 64, 128, 4)), None)), "keras")
+    assert recipe is None and "4 channels" in why
+
+
+def test_the_script_report_warns_on_a_busy_machine_and_charts_its_layers(tmp_path, monkeypatch):
+    from trainfast import hardware
+    from conftest import other_load
+    other_load(monkeypatch, 1.0)
+    script = _script(tmp_path, TORCH_IN_MEMORY)
+    r = doctor_script(["python", str(script)], steps=3, log=lambda m: None)
+    assert hardware.is_busy(r.other_cores) and "other processes kept 1.0" in r.load_warning
+    assert "WARNING  other processes kept" in r.text()
+    page = r.html()
+    assert "Busy machine" in page and 'id="layer-cost"' in page and 'id="step-breakdown"' in page

@@ -322,7 +322,7 @@ def _cmd_doctor(a) -> ExitStatus:
         from trainfast.diagnose.script import doctor_script
         if a.model or a.data:
             raise TrainfastError("give either --model and --data, or a script after --, not both")
-        report = doctor_script(a.script, steps=a.steps or 50, seconds=a.seconds, log=log)
+        report = doctor_script(a.script, steps=a.steps or 50, seconds=a.seconds, fixes=not a.no_fixes, log=log)
         if report.error:
             print(report.error, file=sys.stderr, end="" if report.error.endswith("\n") else "\n")
     elif not (a.model and a.data):

@@ -1,15 +1,21 @@
-"""Keras 3 users keep Keras (any backend): read a pack at memory speed, and see where a fit's
-time goes.
+"""Keras 3 users keep Keras (any backend): read a pack at memory speed, see where a fit's time
+goes, and measure which of Keras's own speed settings win on this machine.
 
-    from trainfast.keras import PackDataset, SpeedDoctor
-    model.fit(PackDataset("plates.pack", batch_size=128), epochs=10, callbacks=[SpeedDoctor()])
+    from trainfast.keras import PackDataset, SpeedDoctor, tune
+    data = PackDataset("plates.pack", batch_size=128)
+    print(tune(model, data))           # precision policy, jit_compile, steps_per_execution, batch
+    model.fit(data, epochs=10, callbacks=[SpeedDoctor()])
 
 Optional: needs `pip install keras` (Keras 3) and one of its backends (tensorflow, jax or torch).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 try:
     import keras
@@ -21,8 +27,10 @@ if int(keras.__version__.split(".")[0]) < 3:  # pragma: no cover
 
 import torch  # noqa: E402
 
+from trainfast import hardware, units  # noqa: E402
 from trainfast.config import Augment  # noqa: E402
 from trainfast.data.loader import Loader  # noqa: E402
+from trainfast.errors import TrainfastError  # noqa: E402
 
 
 class PackDataset(keras.utils.PyDataset):
@@ -105,3 +113,318 @@ class SpeedDoctor(keras.callbacks.Callback):
                                    warmup=min(self.warmup, len(self._steps) - 1), system=system, layers=layers,
                                    model=model, devices={"model": [f"keras {keras.backend.backend()} backend"]})
         self.print_fn(self.report.text())
+
+
+# -- Keras's own speed settings, measured ------------------------------------------------------
+
+LOSS_TOLERANCE = 0.05  # a policy's loss on a fixed batch, relative to float32's (as trainfast tune)
+BETTER = 1.05  # a candidate must beat the best so far by 5% to replace it (timings on a laptop wobble)
+
+
+@dataclass(frozen=True)
+class KerasSetting:
+    """What `model.compile` / `model.fit` are given: the dtype policy, jit_compile, steps_per_execution, batch."""
+
+    policy: str = "float32"
+    jit_compile: bool | str = "auto"
+    steps_per_execution: int = 1
+    batch_size: int = 32
+
+    def label(self) -> str:
+        jit = {True: "jit", False: "no jit"}.get(self.jit_compile, "jit auto")
+        return f"{self.policy}, {jit}, {self.steps_per_execution} step/exec, batch {self.batch_size}"
+
+
+@dataclass
+class KerasTrial:
+    setting: KerasSetting
+    images_per_s: float | None = None
+    loss: float | None = None  # on a fixed batch, before any training step
+    note: str = ""
+    other_cores: float | None = None
+
+
+@dataclass
+class KerasTuneResult:
+    """What `tune` measured: each trial, the model's own setting (`base`) and the winner (`best`)."""
+
+    backend: str
+    device: str
+    base: KerasTrial
+    best: KerasTrial
+    trials: list[KerasTrial] = field(default_factory=list)
+    not_tried: list[str] = field(default_factory=list)
+    load_warning: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return (self.best.images_per_s or 0.0) / max(self.base.images_per_s or 0.0, 1e-9)
+
+    def code(self) -> str:
+        """The lines that give a model the winning setting."""
+        b, w = self.base.setting, self.best.setting
+        lines = []
+        if w.policy != b.policy:
+            lines.append(f'keras.config.set_dtype_policy("{w.policy}")   # before building the model; '
+                         'give the last layer dtype="float32"')
+        kw = []
+        if w.jit_compile != b.jit_compile:
+            kw.append(f"jit_compile={w.jit_compile}")
+        if w.steps_per_execution != b.steps_per_execution:
+            kw.append(f"steps_per_execution={w.steps_per_execution}")
+        if kw:
+            lines.append(f"model.compile(..., {', '.join(kw)})")
+        if w.batch_size != b.batch_size:
+            lines.append(f"batch_size={w.batch_size}   # in fit or your data; a larger batch may want a larger "
+                         "learning rate")
+        return "\n".join(lines) or "# keep what you have: nothing measured faster"
+
+    def table(self) -> str:
+        rows = [f"trainfast.keras.tune — Keras on {self.backend}, {self.device}"]
+        if self.load_warning:
+            rows.append(f"WARNING  {self.load_warning}")
+        for t in self.trials:
+            rate = f"{units.rate(t.images_per_s)} images/s" if t.images_per_s else "—"
+            mark = "*" if t is self.best else ("=" if t is self.base else " ")
+            rows.append(f" {mark} {t.setting.label():50s} {rate:>18s}  {t.note}")
+        rows += [f"   not tried: {n}" for n in self.not_tried]
+        rows.append(f"best: {self.best.setting.label()}, ×{self.speedup:.2f} against the model's own "
+                    f"({self.base.setting.label()})")
+        return "\n".join(rows)
+
+    def __repr__(self) -> str:
+        return f"{self.table()}\n{self.code()}"
+
+
+def tune(model, data, *, batch_sizes=None, max_seconds: float = 60.0, try_torch_compile: bool = False,
+         log=print) -> KerasTuneResult:
+    """Time Keras's own speed settings for `model`'s training step on this machine, each on a
+    copy of the model (`keras.models.clone_model`, same weights): the precision policies the
+    device runs fast (mixed_bfloat16 on a CPU with AVX512-BF16 or AMX, mixed_float16 and
+    mixed_bfloat16 on a GPU that has them), jit_compile (XLA; on the torch backend torch.compile
+    only with try_torch_compile, its compile takes minutes on few cores), steps_per_execution and
+    larger batches. A policy whose loss on a fixed batch strays from float32's is rejected.
+
+    Args:
+        model: a compiled Sequential or Functional Keras model (a subclassed one cannot be copied).
+        data: one batch `(x, y)` of numpy arrays, a PackDataset, a keras PyDataset or a tf.data
+            Dataset (one batch is taken from it), or a pack's path.
+        batch_sizes: the batches to try; default the data's batch, then twice and four times it
+            while that keeps paying.
+        max_seconds: the budget; what did not fit is listed in `not_tried`.
+
+    Returns:
+        a KerasTuneResult: `print` it for the table and the lines to paste (`.code()`).
+
+    Example:
+        r = trainfast.keras.tune(model, PackDataset("plates.pack", batch_size=64))
+        print(r)
+    """
+    if not isinstance(model, keras.Model):
+        raise TrainfastError(f"tune needs a Keras model, not {type(model).__name__}")
+    if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
+        raise TrainfastError("tune needs a compiled model: call model.compile(optimizer=..., loss=...) first")
+    x, y = _one_batch(data)
+    base = KerasSetting(policy=_policy_name(model), jit_compile=getattr(model, "jit_compile", "auto"),
+                        steps_per_execution=int(getattr(model, "steps_per_execution", 1) or 1),
+                        batch_size=len(x))
+    backend, device = keras.backend.backend(), _device()
+    deadline = time.perf_counter() + max_seconds
+    trials: list[KerasTrial] = []
+    not_tried: list[str] = []
+    losses: dict[str, float | None] = {}
+
+    def run(setting: KerasSetting) -> KerasTrial:
+        left = deadline - time.perf_counter()
+        known = best.images_per_s if trials else None  # a trial's cost: ~6 executions at the best rate so far
+        if left <= 0 or (known and 6 * setting.steps_per_execution * setting.batch_size / known > left):
+            not_tried.append(f"{setting.label()} (out of the {max_seconds:.0f} s budget)")
+            return KerasTrial(setting, note="not timed")
+        log(f"trainfast.keras.tune: timing {setting.label()}")
+        t = _trial(model, setting, x, y, losses, deadline)
+        trials.append(t)
+        return t
+
+    best = None
+    with hardware.OtherLoad() as load:
+        best = base_trial = run(base)
+        if base_trial.images_per_s is None:
+            raise TrainfastError(f"the model does not train as it is: {base_trial.note}")
+        ref = losses.get("float32")
+
+        def consider(setting: KerasSetting):
+            nonlocal best
+            t = run(setting)
+            if t.images_per_s and ref is not None and t.loss is not None and \
+                    abs(t.loss - ref) > LOSS_TOLERANCE * max(1.0, abs(ref)):
+                t.note, t.images_per_s = f"rejected: loss {t.loss:.4f} vs float32 {ref:.4f}", None
+            if t.images_per_s and t.images_per_s > BETTER * (best.images_per_s or 0):
+                best = t
+
+        if ref is None and base.policy != "float32":  # the reference loss of a model built mixed
+            losses["float32"] = ref = _loss(model, "float32", x, y)
+        for policy in _policies(device):
+            if policy != base.policy:
+                consider(replace(best.setting, policy=policy))
+        if backend == "tensorflow" or (backend == "torch" and try_torch_compile):
+            consider(replace(best.setting, jit_compile=not _resolved_jit(best.setting, model)))
+        elif backend == "torch":
+            not_tried.append("jit_compile=True (torch.compile: minutes of compiling on a CPU; try_torch_compile=True)")
+        if backend != "torch":
+            consider(replace(best.setting, steps_per_execution=8 if best.setting.steps_per_execution == 1 else 1))
+        for b in batch_sizes or (2 * base.batch_size, 4 * base.batch_size):
+            before = best
+            consider(replace(best.setting, batch_size=int(b)))
+            if best is before and batch_sizes is None:
+                break
+    result = KerasTuneResult(backend, device, base_trial, best, trials, not_tried, load.warning())
+    for line in result.table().splitlines():
+        log(line)
+    return result
+
+
+def _one_batch(data):
+    """(x, y) numpy arrays: one batch of the data."""
+    if isinstance(data, (str, bytes)) or hasattr(data, "__fspath__") or type(data).__name__ == "Pack":
+        data = PackDataset(data, batch_size=32)
+    if isinstance(data, (tuple, list)) and len(data) == 2:
+        x, y = data
+    elif isinstance(data, keras.utils.PyDataset):
+        x, y = data[0][:2]
+    elif hasattr(data, "take") and hasattr(data, "element_spec"):  # tf.data
+        x, y = next(iter(data.take(1)))[:2]
+    else:
+        raise TrainfastError(f"tune's data must be a batch (x, y), a PyDataset, a tf.data Dataset or a pack, "
+                             f"not {type(data).__name__}")
+    x, y = np.asarray(x), np.asarray(y)
+    if len(x) != len(y) or len(x) < 2:
+        raise TrainfastError(f"tune's batch needs as many labels as images and at least 2: {len(x)} images, "
+                             f"{len(y)} labels")
+    return x, y
+
+
+def _policy_name(model) -> str:
+    policy = getattr(model, "dtype_policy", None)
+    return getattr(policy, "name", None) or keras.config.dtype_policy().name
+
+
+def _device() -> str:
+    """'cpu', or 'gpu sm80' etc.: where this backend trains."""
+    backend = keras.backend.backend()
+    if backend == "torch":
+        return f"gpu sm{''.join(map(str, torch.cuda.get_device_capability()))}" if torch.cuda.is_available() else "cpu"
+    if backend == "tensorflow":
+        import tensorflow as tf
+        gpus = tf.config.list_physical_devices("GPU")
+        if gpus:
+            cc = tf.config.experimental.get_device_details(gpus[0]).get("compute_capability") or (0, 0)
+            return f"gpu sm{cc[0]}{cc[1]}"
+        return "cpu"
+    if backend == "jax":
+        import jax
+        d = jax.devices()[0]
+        if d.platform == "gpu":
+            return f"gpu sm{str(getattr(d, 'compute_capability', '00')).replace('.', '')}"
+        return "cpu"
+    return "cpu"
+
+
+def _policies(device: str) -> list[str]:
+    """The policies worth timing here: float32, and the mixed ones the device runs fast."""
+    if device.startswith("gpu"):
+        cc = int(device[6:] or 0)
+        return ["float32"] + ["mixed_float16"] * (cc >= 70) + ["mixed_bfloat16"] * (cc >= 80)
+    return ["float32"] + ["mixed_bfloat16"] * hardware.cpu_has_bf16()
+
+
+def _resolved_jit(setting: KerasSetting, model) -> bool:
+    if setting.jit_compile != "auto":
+        return bool(setting.jit_compile)
+    from keras.src.trainers.trainer import model_supports_jit
+    return keras.backend.backend() != "torch" and model_supports_jit(model)
+
+
+def _copy(model, policy: str):
+    """The model rebuilt under `policy` with the same weights (the last layer keeps float32, as
+    Keras's mixed-precision guide has it)."""
+    last = model.layers[-1].name if model.layers else None
+
+    def layer_copy(layer):
+        config = layer.get_config()
+        if layer.name != last and not isinstance(layer, keras.layers.InputLayer):
+            config["dtype"] = policy
+        return layer.__class__.from_config(config)
+
+    try:
+        copy = keras.models.clone_model(model, clone_function=layer_copy)
+    except Exception as e:  # noqa: BLE001 - Keras says why in its own words
+        raise TrainfastError(f"tune copies the model with keras.models.clone_model, which failed "
+                             f"({type(e).__name__}: {e}); a subclassed model cannot be copied so") from None
+    copy.set_weights(model.get_weights())
+    return copy
+
+
+def _compiled(model, setting: KerasSetting):
+    copy = _copy(model, setting.policy)
+    copy.compile(optimizer=model.optimizer.__class__.from_config(model.optimizer.get_config()), loss=model.loss,
+                 jit_compile=setting.jit_compile, steps_per_execution=setting.steps_per_execution)
+    return copy
+
+
+def _loss(model, policy: str, x, y) -> float:
+    copy = _compiled(model, KerasSetting(policy=policy))
+    out = copy.test_on_batch(x[:8], y[:8])
+    return float(out[0] if isinstance(out, (list, tuple)) else out)
+
+
+def _trial(model, setting: KerasSetting, x, y, losses: dict, deadline: float, min_seconds: float = 1.0) -> KerasTrial:
+    """Time one setting: a warm-up fit (tracing, compiling), then a fit long enough to time."""
+    trial = KerasTrial(setting)
+    try:
+        copy = _compiled(model, setting)
+        if setting.policy not in losses:
+            out = copy.test_on_batch(x[:8], y[:8])
+            losses[setting.policy] = float(out[0] if isinstance(out, (list, tuple)) else out)
+        trial.loss = losses[setting.policy]
+        if not np.isfinite(trial.loss):
+            trial.note = f"rejected: loss {trial.loss} before any step"
+            return trial
+        b, spe = setting.batch_size, setting.steps_per_execution
+        ends: list[float] = []
+
+        class Ends(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                ends.append(time.perf_counter())
+
+        idx = np.arange(b) % len(x)
+        xb, yb = x[idx], y[idx]  # one batch of the size, fed again and again: the step is what is timed
+
+        class Same(keras.utils.PyDataset):
+            def __init__(self, n):
+                super().__init__()
+                self.n = n
+
+            def __len__(self):
+                return self.n
+
+            def __getitem__(self, i):
+                return xb, yb
+
+        def fit(executions: int):
+            ends.clear()
+            copy.fit(Same(spe * executions), epochs=1, verbose=0, callbacks=[Ends()])
+
+        fit(2)  # tracing and compiling
+        per_execution = max(ends[-1] - ends[-2], 1e-4) if len(ends) >= 2 else 1.0
+        left = deadline - time.perf_counter()
+        executions = int(min(50, max(3, min(min_seconds, left) / per_execution)))
+        with hardware.OtherLoad() as load:
+            fit(executions + 1)
+        trial.other_cores = load.cores
+        gaps = np.diff(ends)  # the first execution's end is the start of the timed ones
+        trial.images_per_s = b * spe / statistics.median(gaps) if len(gaps) else None
+    except TrainfastError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a setting this model or backend cannot run is a result, not a crash
+        trial.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    return trial

@@ -412,14 +412,11 @@ def _loader_fixes(pk: Pack, t: StepTimes, compute_step: float, dev, log) -> list
 
 def _loader_seconds_per_batch(src: Source, shape, batch_size: int, dev) -> float:
     """Pack a sample of the files, then time the Loader's batches on it (seconds per batch)."""
-    from trainfast.data.pack import pack
+    from trainfast.diagnose.recipe import sample_pack
 
-    n = min(len(src), max(4 * batch_size, 256))
     tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
     try:
-        sample = Source(src.kind, src.origin, src.keys[:n], src.labels[:n], src.classes, src.alphabet,
-                        files=src.files[:n])
-        pk = pack(sample, tmp / "sample", size=tuple(shape[1:]), channels=shape[0], progress=False)
+        pk = sample_pack(src, tuple(shape[1:]), shape[0], min(len(src), max(4 * batch_size, 256)), tmp)
         return _seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device=dev, drop_last=True))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

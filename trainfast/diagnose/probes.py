@@ -25,7 +25,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainfast.data.sources import IMAGE_EXTENSIONS
+
 WARMUP = 2  # steps not counted: first-step allocation, tracing, XLA compiles
+MAX_FILES_NOTED = 200_000  # the images a script read that the recipe looks at (their paths only)
 SAMPLE_EVERY_S = 0.005
 _OURS = str(Path(__file__).resolve().parents[1]) + os.sep  # the trainfast package
 _RUNNER = os.path.join(os.path.dirname(__file__), "script.py")  # where doctor_script runs the script
@@ -75,6 +78,20 @@ class _Probe:
         self.module_depth = 0
         self.cuda = False
         self.lock = threading.Lock()
+        self.files_read: dict[str, bool] = {}  # image file → read inside the data pipeline (see _on_open)
+        self.csvs_read: list[str] = []  # CSV files the script opened, in order
+        self.from_directory: dict = {}  # keras.utils.image_dataset_from_directory's arguments, when called
+        self.tf_dataset = None  # a tf.data.Dataset given to Model.fit (timed on its own after the run)
+        self.first_batch = None  # the first batch the data source gave (its shapes: the recipe's size and labels)
+
+    def note_file(self, path: str):
+        """The script opened `path` for reading (an image or a CSV): what it reads, for the recipe."""
+        path = os.path.abspath(path)
+        if path.lower().endswith(".csv"):
+            if path not in self.csvs_read:
+                self.csvs_read.append(path)
+        elif len(self.files_read) < MAX_FILES_NOTED:
+            self.files_read[path] = self.files_read.get(path, False) or threading.get_ident() in self.data_threads
 
     # -- time accounting ----------------------------------------------------------------------
 
@@ -120,6 +137,8 @@ class _Probe:
 
     def note_batch(self, batch):
         self.batches += 1
+        if self.first_batch is None:
+            self.first_batch = batch
         for t in _tensors(batch):
             self.devices["batches"].add(str(getattr(t, "device", "cpu")))
             if not self.cur.batch_size and getattr(t, "shape", None) is not None and len(t.shape):
@@ -303,6 +322,43 @@ def _install_torch(probe: _Probe, undo: list):
     undo += [h3.remove, h4.remove]
 
 
+# -- the files a script reads ----------------------------------------------------------------
+
+_WATCHED = (*IMAGE_EXTENSIONS, ".csv")
+_OPEN_PROBE: list = [None]  # the probe the audit hook reports to (audit hooks cannot be removed)
+
+
+def _on_open(event: str, args: tuple):
+    """An audit hook: each `open` of an image or a CSV for reading goes to the probe. Runs for
+    every audited event in the process, so it returns at once unless a probe is listening."""
+    if event != "open" or _OPEN_PROBE[0] is None:
+        return
+    try:
+        path, mode, flags = args
+        if isinstance(path, int) or path is None:
+            return
+        if mode is not None and any(c in mode for c in "wax+"):
+            return
+        if mode is None and flags & (os.O_WRONLY | os.O_RDWR):
+            return
+        path = os.fsdecode(path)
+        if path.lower().endswith(_WATCHED):
+            _OPEN_PROBE[0].note_file(path)
+    except Exception:  # noqa: BLE001 - an audit hook must never break the script's open()
+        pass
+
+
+_HOOKED = [False]
+
+
+def _install_open_watch(probe: _Probe, undo: list):
+    if not _HOOKED[0]:
+        sys.addaudithook(_on_open)
+        _HOOKED[0] = True
+    _OPEN_PROBE[0] = probe
+    undo.append(lambda: _OPEN_PROBE.__setitem__(0, None))
+
+
 # -- Keras probes -----------------------------------------------------------------------------
 
 def _patch_keras(keras, probe: _Probe, undo: list):
@@ -322,6 +378,26 @@ def _patch_keras(keras, probe: _Probe, undo: list):
 
     Model.fit = fit
     undo.append(lambda: setattr(Model, "fit", original_fit))
+
+    # keras.utils.image_dataset_from_directory reads its files in TensorFlow's C++, out of the
+    # audit hook's sight: its arguments say what the script reads.
+    utils = keras.utils
+    original_ifd = getattr(utils, "image_dataset_from_directory", None)
+    if original_ifd is not None:
+        def image_dataset_from_directory(directory, *args, **kwargs):
+            import inspect
+            try:
+                bound = inspect.signature(original_ifd).bind(directory, *args, **kwargs)
+                bound.apply_defaults()
+                probe.from_directory = {k: bound.arguments.get(k) for k in
+                                        ("directory", "labels", "label_mode", "color_mode", "batch_size",
+                                         "image_size", "validation_split", "subset")}
+            except TypeError:
+                pass
+            return original_ifd(directory, *args, **kwargs)
+
+        utils.image_dataset_from_directory = image_dataset_from_directory
+        undo.append(lambda: setattr(utils, "image_dataset_from_directory", original_ifd))
 
 
 def _timed_getitem(cls, probe: _Probe):
@@ -369,6 +445,9 @@ def _wrap_keras_data(keras, x, probe: _Probe):
         return timed()
     kind = type(x).__module__.split(".")[0]
     probe.data_source = {"kind": "in-memory arrays" if kind == "numpy" else f"{type(x).__name__} ({kind})"}
+    if kind == "tensorflow" and hasattr(x, "take"):  # tf.data runs in C++ threads: timed alone after the run
+        probe.data_source["kind"] = "tf.data Dataset"
+        probe.tf_dataset = x
     return x
 
 

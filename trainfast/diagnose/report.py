@@ -51,13 +51,7 @@ def render_text(r) -> str:
         lines += ["", "What to do, ranked by expected gain"]
         if r.fixes_note:
             lines.append(f"  {r.fixes_note}")
-        for i, rec in enumerate(r.recommendations, 1):
-            gain = f"×{rec.speedup:.2f} {'measured' if rec.measured else 'estimate'}" if rec.speedup else "—"
-            lines.append(f"  {i}. {rec.title}  [{gain}]")
-            if rec.evidence:
-                lines.append(f"     {rec.evidence}")
-            for a in rec.action.splitlines():
-                lines.append(f"       {a}")
+        lines += recommendation_lines(r.recommendations)
     s = r.system
     p = r.peaks
     lines += ["", "System"]
@@ -88,6 +82,29 @@ def render_text(r) -> str:
         lines += [f"  - {f}" for f in cost.findings]
     lines += ["", f"({r.seconds:.0f} s)"]
     return "\n".join(lines)
+
+
+def _gain(rec) -> str:
+    return f"×{rec.speedup:.2f} {'measured' if rec.measured else 'estimate'}" if rec.speedup else ""
+
+
+def recommendation_lines(recs) -> list[str]:
+    """The ranked fixes as text: title and gain, the evidence, then the command or code to paste."""
+    lines = []
+    for i, rec in enumerate(recs, 1):
+        lines.append(f"  {i}. {rec.title}  [{_gain(rec) or '—'}]")
+        if rec.evidence:
+            lines.append(f"     {rec.evidence}")
+        lines += [f"       {a}" for a in rec.action.splitlines()]
+    return lines
+
+
+def recommendations_html(recs) -> str:
+    e = html.escape
+    return "<ol>" + "".join(
+        f'<li><span class="gain">{e(_gain(rec))}</span> <b>{e(rec.title)}</b>'
+        + (f'<div class="evidence">{e(rec.evidence)}</div>' if rec.evidence else "")
+        + f'<code class="block">{e(rec.action)}</code></li>' for rec in recs) + "</ol>"
 
 
 def _svg(fig) -> str:
@@ -123,16 +140,20 @@ def step_chart(r) -> str:
 
 
 def layer_chart(r) -> str:
+    return layers_chart([(l.name, l.kind, l.flops, l.params) for l in r.cost.layers if l.params or l.flops])
+
+
+def layers_chart(layers: list[tuple[str, str, float, int]]) -> str:
+    """Per-layer forward FLOPs and parameters, (name, kind, flops, params) each, as inline SVG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    layers = [l for l in r.cost.layers if l.params or l.flops]
-    names = [f"{l.name} ({l.kind})".replace("$", r"\$") for l in layers]  # NOTE: '$…$' would be mathtext
+    names = [f"{name} ({kind})".replace("$", r"\$") for name, kind, _, _ in layers]  # NOTE: '$…$' would be mathtext
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.3 * len(layers) + 1.2), sharey=True)
-    axes[0].barh(names, [l.flops / 1e6 for l in layers], color="#1f77b4")
+    axes[0].barh(names, [f / 1e6 for _, _, f, _ in layers], color="#1f77b4")
     axes[0].set_xlabel("forward MFLOPs per image")
-    axes[1].barh(names, [l.params / 1e3 for l in layers], color="#ff7f0e")
+    axes[1].barh(names, [p / 1e3 for _, _, _, p in layers], color="#ff7f0e")
     axes[1].set_xlabel("parameters (thousands)")
     axes[0].invert_yaxis()
     fig.suptitle("Per-layer cost: FLOPs hold the time, parameters the memory")
@@ -172,13 +193,7 @@ def advice_html(r) -> str:
     if r.fixes_note:
         parts.append(f"<p>{e(r.fixes_note)}.</p>")
     if r.recommendations:
-        items = []
-        for rec in r.recommendations:
-            gain = f"×{rec.speedup:.2f} {'measured' if rec.measured else 'estimate'}" if rec.speedup else ""
-            items.append(f'<li><span class="gain">{e(gain)}</span> <b>{e(rec.title)}</b>'
-                         + (f'<div class="evidence">{e(rec.evidence)}</div>' if rec.evidence else "")
-                         + f'<code class="block">{e(rec.action)}</code></li>')
-        parts.append("<ol>" + "".join(items) + "</ol>")
+        parts.append(recommendations_html(r.recommendations))
     elif not r.fixes_note:
         parts.append("<p>No fixes were tried (try_fixes=False).</p>")
     parts.append(f"<h2>Cores</h2><p>{e(cores_sentence(r))}</p>")

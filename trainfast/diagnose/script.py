@@ -37,17 +37,20 @@ from trainfast.diagnose.probes import (
     WARMUP,
     Step,
     StopScript,
+    _install_open_watch,
     _install_torch,
     _keras_layers,
     _KerasWatcher,
     _patch_keras,
     _Probe,
+    _tensors,
     _torch_layers,
 )
-from trainfast.diagnose.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUND
+from trainfast.diagnose.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUND, Recommendation
 from trainfast.errors import TrainfastError
 
 SCHEMA_VERSION = 1
+KERAS_TUNE_S = 30.0  # the script doctor's budget for timing Keras's own settings
 
 
 @dataclass
@@ -69,6 +72,9 @@ class ScriptReport:
     layers: list[dict] = field(default_factory=list)
     model: dict = field(default_factory=dict)
     findings: list[str] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)  # measured fixes, best first
+    load_warning: str = ""  # other programs kept cores busy while the script ran
+    other_cores: float | None = None
     error: str = ""  # the script's own traceback, when it failed
     seconds: float = 0.0
 
@@ -157,8 +163,12 @@ def _script_traceback(exc: BaseException) -> str:
 
 
 def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0, warmup: int = WARMUP,
-                  log=print) -> ScriptReport:
-    """Run `command` (python SCRIPT args / python -m MODULE args) here, instrumented, and report."""
+                  fixes: bool = True, log=print) -> ScriptReport:
+    """Run `command` (python SCRIPT args / python -m MODULE args) here, instrumented, and report.
+
+    With fixes (the default) the report's fixes are measured after the script stopped: its images
+    packed (a sample) and fed to its own model, and, for Keras, Keras's own speed settings timed
+    on a copy of its model (`trainfast.keras.tune`, up to KERAS_TUNE_S seconds)."""
     if steps < 1:
         raise TrainfastError(f"--steps must be ≥ 1, not {steps}")
     if seconds <= 0:
@@ -173,6 +183,7 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
     sys.meta_path.insert(0, watcher)
     undo.append(lambda: sys.meta_path.remove(watcher))
     _install_torch(probe, undo)
+    _install_open_watch(probe, undo)
     stop = threading.Event()
     sampler = threading.Thread(target=probe.sample_forever, args=(stop,), daemon=True, name="trainfast-sampler")
     old_argv, old_path = sys.argv, list(sys.path)
@@ -188,6 +199,7 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
     sys.argv = argv
     sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
     sampler.start()
+    load = hardware.OtherLoad().__enter__()
     try:
         if kind == "path":
             runpy.run_path(target, run_name="__main__")
@@ -204,6 +216,7 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
     except BaseException as e:  # noqa: BLE001 - the script's failure is reported as its own
         stopped, error = f"the script failed: {type(e).__name__}: {e}", _script_traceback(e)
     finally:
+        load.__exit__(None, None, None)
         if old_alarm is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_alarm)
@@ -212,10 +225,12 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
         sys.argv, sys.path[:] = old_argv, old_path
         for u in reversed(undo):
             u()
-    return _report(command, probe, stopped, error)
+    report = _report(command, probe, stopped, error, log, fixes)
+    report.other_cores, report.load_warning = load.cores, load.warning()
+    return report
 
 
-def _report(command, probe: _Probe, stopped: str, error: str) -> ScriptReport:
+def _report(command, probe: _Probe, stopped: str, error: str, log=print, fixes: bool = True) -> ScriptReport:
     import torch
 
     dev = "cuda" if probe.cuda else "cpu"
@@ -227,9 +242,14 @@ def _report(command, probe: _Probe, stopped: str, error: str) -> ScriptReport:
                      data_source=probe.data_source,
                      devices={k: sorted(v) for k, v in probe.devices.items()}, batches_drawn=probe.batches,
                      data_functions=probe.top("data"), error=error, seconds=time.perf_counter() - probe.started)
+    if probe.tf_dataset is not None and r.timed:
+        _time_dataset_alone(probe, len(r.timed))
     if probe.generator_times:
         g = sorted(probe.generator_times[probe.warmup:] or probe.generator_times)
         r.generator_s_per_batch = g[len(g) // 2]
+        if probe.tf_dataset is not None:
+            for s in r.timed:  # tf.data prepares batches ahead on its own threads: its time stands in for the wait
+                s.generator = r.generator_s_per_batch
     if not probe.steps:
         r.busy_functions = probe.top("all")
     if probe.framework == "keras" and probe.keras_model is not None:
@@ -239,52 +259,156 @@ def _report(command, probe: _Probe, stopped: str, error: str) -> ScriptReport:
     elif probe.model_ref is not None:
         r.layers, r.model, model_findings = _torch_layers(probe)
         r.findings += model_findings
-    r.findings += _findings(r)
-    r.findings += _storage_findings(r)
+    recipe, why_not = None, ""
+    if r.timed and r.data_share >= MODERATELY_INPUT_BOUND and r.data_source.get("reads") != "a trainfast pack":
+        recipe, why_not = _recipe(r, probe, log, fixes)
+    if fixes and r.timed and r.framework == "keras" and probe.keras_model is not None:
+        r.findings += _keras_settings(r, probe, log)
+    r.findings += _findings(r, recipe is not None, why_not)
+    r.findings += _storage_findings(r, _files_read(probe, recipe))
+    r.recommendations.sort(key=lambda rec: -rec.speedup)
     return r
 
 
-def _storage_findings(r: ScriptReport, max_files: int = 4096) -> list[str]:
-    """Where a data-bound script's files live: for each image folder (or a CSV's folder) named
-    on its command line, the files read alone, cold, against the data time per image."""
-    batch = sorted(s.batch_size for s in r.timed if s.batch_size)
-    if not (r.timed and r.data_share >= MODERATELY_INPUT_BOUND and batch):
+def _time_dataset_alone(probe: _Probe, batches: int, max_seconds: float = 10.0):
+    """A tf.data pipeline's time per batch, iterated on its own (it runs in C++ threads, out of
+    the probes' sight during fit): the first batch is kept for the recipe, the rest are timed."""
+    try:
+        it = iter(probe.tf_dataset.take(batches + 1))
+        probe.first_batch = next(it)
+        first = next(_tensors(probe.first_batch), None)
+        for s in probe.steps:
+            s.batch_size = s.batch_size or (int(first.shape[0]) if first is not None else 0)
+        end = time.perf_counter() + max_seconds
+        t0 = time.perf_counter()
+        for _ in it:
+            now = time.perf_counter()
+            probe.generator_times.append(now - t0)
+            t0 = now
+            if now > end:
+                break
+    except Exception:  # noqa: BLE001 - a dataset that cannot be iterated again (a one-shot generator)
+        return
+
+
+def _files_read(probe: _Probe, recipe) -> list[str]:
+    """The image files the script read in its data pipeline (or, for image_dataset_from_directory,
+    whose reads happen in C++, the files of its folder)."""
+    read = [p for p, in_data in probe.files_read.items() if in_data]
+    if not read and probe.from_directory.get("directory") and recipe is not None:
+        read = list(recipe.source.files or [])
+    return read
+
+
+def _keras_settings(r: ScriptReport, probe: _Probe, log) -> list[str]:
+    """Keras's own speed settings timed on a copy of the script's model with one of its batches:
+    a recommendation when one wins, else a finding that says what was tried."""
+    from trainfast.diagnose.recipe import batch_images
+
+    first = batch_images(probe.first_batch, "keras") if probe.first_batch is not None else None
+    if first is None or first[1] is None:
         return []
-    from trainfast.data.sources import IMAGE_EXTENSIONS
+    try:
+        import trainfast.keras as tk
+        log(f"trainfast doctor: timing Keras's own settings on a copy of the model (up to {KERAS_TUNE_S:.0f} s)")
+        result = tk.tune(probe.keras_model, (first[0], first[1]), max_seconds=KERAS_TUNE_S, log=lambda m: None)
+    except (TrainfastError, ImportError) as e:
+        return [f"Keras's own settings were not timed: {e}"]
+    if result.best is result.base:
+        return [f"Keras's own settings, timed on a copy of the model: none beat {result.base.setting.label()} "
+                f"by 5% (" + "; ".join(f"{t.setting.label()}: {units.rate(t.images_per_s)} images/s"
+                                       for t in result.trials if t.images_per_s) + ")"]
+    f = result.speedup
+    data, step = r.mean("data"), r.mean("seconds")
+    r.recommendations.append(Recommendation(
+        f"Keras's own settings: {result.best.setting.label()}", result.code(),
+        step / (data + max(step - data, 0.0) / f), True,
+        f"the train step alone, on a copy of your model with your batch: ×{f:.2f} "
+        f"({units.rate(result.base.images_per_s)} → {units.rate(result.best.images_per_s)} images/s); "
+        f"the whole step gains less while it waits for data"))
+    return []
+
+
+def _recipe(r: ScriptReport, probe: _Probe, log, measure: bool = True):
+    """The pack that replaces what the script reads, with its gain measured on the spot."""
+    from trainfast.diagnose import recipe as rc
+
+    try:
+        found, why_not = rc.find_recipe(probe, r.framework)
+    except (OSError, TrainfastError) as e:
+        return None, str(e)
+    if found is None:
+        return None, why_not
+    bs = Counter(s.batch_size for s in r.timed).most_common(1)[0][0] or 1
+    data_name = _data_name(r, probe)
+    if not measure:
+        r.recommendations.append(Recommendation("Pack the images once, then read the pack", found.command, 0.0,
+                                                False, f"the script reads {found.reads} (not measured: --no-fixes)"))
+        return found, ""
+    log(f"trainfast doctor: packing a sample of {found.reads} to measure the fix")
+    try:
+        if r.framework == "keras" and probe.keras_model is not None:
+            x, y, _ = rc.batch_images(probe.first_batch, "keras")
+            rec = rc.keras_recommendation(found, probe.keras_model, r.mean("seconds"), bs, data_name, x, y)
+        else:
+            rec = rc.torch_recommendation(found, r.mean("seconds"), r.mean("data"), bs, data_name)
+    except StopScript:
+        raise
+    except Exception as e:  # noqa: BLE001 - the measurement is a bonus; the command stands without it
+        rec = Recommendation("Pack the images once, then read the pack", found.command, 0.0, False,
+                             f"(the gain could not be measured here: {type(e).__name__}: {e})")
+    r.recommendations.append(rec)
+    return found, ""
+
+
+def _data_name(r: ScriptReport, probe: _Probe) -> str:
+    if probe.from_directory.get("directory"):
+        return "keras.utils.image_dataset_from_directory(...)"
+    kind = r.data_source.get("kind", "")
+    if "(" in kind and kind.endswith(")"):  # "keras PyDataset (Plates)"
+        return kind[kind.rindex("(") + 1:-1] + "(...)"
+    return r.data_source.get("dataset", "") + " in a DataLoader" if r.data_source.get("dataset") else \
+        "your data pipeline"
+
+
+def _storage_findings(r: ScriptReport, files: list[str], max_files: int = 4096) -> list[str]:
+    """Where a data-bound script's files live: the image files it read (none: nothing to say,
+    such as after it moved to a pack), read again alone and cold, against the data time per image."""
+    batch = sorted(s.batch_size for s in r.timed if s.batch_size)
+    if not (r.timed and r.data_share >= MODERATELY_INPUT_BOUND and batch and files):
+        return []
     from trainfast.diagnose.storage import read_throughput, storage_sentence
 
-    out = []
-    for arg in dict.fromkeys(r.command[1:]):  # each once, in order
-        root = (os.path.dirname(arg) or ".") if arg.lower().endswith(".csv") and os.path.isfile(arg) else arg
-        if not os.path.isdir(root):
-            continue
-        files, until = [], time.perf_counter() + 1.0  # a large tree named for another reason: a second at most
-        for dirpath, dirnames, names in os.walk(root):
-            dirnames.sort()
-            files += [os.path.join(dirpath, n) for n in sorted(names) if n.lower().endswith(IMAGE_EXTENSIONS)]
-            if len(files) >= max_files or time.perf_counter() > until:
-                break
-        read = read_throughput(files[:max_files]) if files else None
-        if read is not None:
-            sentence, _ = storage_sentence(read, r.mean("data") / batch[len(batch) // 2])
-            out.append(f"the images under {arg} (named on the command line): {sentence}")
-    return out
+    read = read_throughput(files[:max_files])
+    if read is None:
+        return []
+    sentence, _ = storage_sentence(read, r.mean("data") / batch[len(batch) // 2])
+    where = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
+    return [f"the images the script reads (under {where}): {sentence}"]
 
 
-def _findings(r: ScriptReport) -> list[str]:
+def _findings(r: ScriptReport, recipe: bool = False, why_no_recipe: str = "") -> list[str]:
     out = []
     src, s = r.data_source, r.system
     if r.timed and r.data_share >= MODERATELY_INPUT_BOUND and src.get("reads") == "a trainfast pack":
+        tune = ("`trainfast.keras.tune(model, data)` measures Keras's own settings (precision policy, "
+                "jit_compile, steps_per_execution, batch)" if r.framework == "keras" else
+                "`trainfast tune` measures which wins")
         out.append(f"the batches already come from a trainfast pack, whose reader needs about a millisecond per "
                    f"batch on its own; the {r.data_share:.0%} counted as data wait is mostly that reader waiting for "
                    f"the {s['usable_cores']} cores the train step is using. The train step itself is what is left "
-                   "to speed up (mixed precision, a larger batch; `trainfast tune` measures which wins)")
+                   f"to speed up: {tune}")
     elif r.timed and r.data_share >= MODERATELY_INPUT_BOUND:
         culprit = _culprit(r.data_functions)
         culprit = f" — most of it in {culprit}" if culprit else ""
-        out.append(f"the data pipeline holds back training ({r.data_share:.0%} of each step{culprit}). If it "
-                   "decodes or resizes files per batch, do that once with `trainfast pack` and read the pack with "
-                   "trainfast.Loader (PyTorch) or trainfast.keras.PackDataset (Keras)")
+        if recipe:
+            out.append(f"the data pipeline holds back training ({r.data_share:.0%} of each step{culprit}): "
+                       "What to do has the pack that replaces it, measured")
+        else:
+            out.append(f"the data pipeline holds back training ({r.data_share:.0%} of each step{culprit}). If it "
+                       "decodes or resizes files per batch, do that once with `trainfast pack` and read the pack with "
+                       "trainfast.Loader (PyTorch) or trainfast.keras.PackDataset (Keras)"
+                       + (f" (no exact command: {why_no_recipe})" if why_no_recipe else ""))
         if src.get("num_workers") == 0:
             out.append("the DataLoader has num_workers=0: every batch is prepared in the training loop itself")
     if r.fetched_ahead:
@@ -331,18 +455,29 @@ def stage_parts(r: ScriptReport) -> list[tuple[str, float]]:
 
 
 def render_html(r: ScriptReport) -> str:
-    """The verdict and findings as HTML text, the step chart, then the full text report."""
-    from trainfast.diagnose.report import page, stages_chart
+    """As the data doctor's page: the verdict, a busy machine, What to do (the measured fixes with
+    their commands, then the findings), where the data time goes, the step and per-layer charts,
+    then the full text report."""
+    from trainfast.diagnose.report import layers_chart, page, recommendations_html, stages_chart
     e = html.escape
     body = [f'<p class="verdict">{e(r.verdict)}</p>']
+    if r.load_warning:
+        body.append(f'<p class="warning"><b>Busy machine:</b> {e(r.load_warning)}</p>')
+    if r.recommendations or r.findings:
+        body.append("<h2>What to do</h2>")
+    if r.recommendations:
+        body.append(recommendations_html(r.recommendations))
     if r.findings:
-        body.append("<h2>What to do</h2><ul>" + "".join(f"<li>{e(f)}</li>" for f in r.findings) + "</ul>")
+        body.append("<ul>" + "".join(f"<li>{e(f)}</li>" for f in r.findings) + "</ul>")
     if r.data_functions:
         body.append("<h2>Where the data time goes</h2><ul>"
                     + "".join(f"<li>{share:.0%} {e(name)}</li>" for name, share in r.data_functions) + "</ul>")
     if r.timed:
         body.append(f'<h2>Step-time breakdown</h2><div id="step-breakdown">'
                     f'{stages_chart([(n, v * 1e3) for n, v in stage_parts(r)])}</div>')
+    rows = [(l["name"], l["kind"], l["flops"], l["params"]) for l in r.layers if l["params"] or l["flops"]]
+    if rows:
+        body.append(f'<h2>Per-layer cost</h2><div id="layer-cost">{layers_chart(rows)}</div>')
     body.append(f"<details><summary>Full report (text)</summary><pre>{e(render_text(r))}</pre></details>")
     return page(f"trainfast doctor — {' '.join(r.command)}", "".join(body))
 
@@ -352,6 +487,8 @@ def render_text(r: ScriptReport) -> str:
              f"{r.framework if r.framework != 'none' else 'no training steps seen'}; {r.stopped}; "
              f"{len(r.timed)} timed steps after {r.warmup} warm-up; device {r.system['device']}", "",
              f"VERDICT  {r.verdict}"]
+    if r.load_warning:
+        lines.append(f"WARNING  {r.load_warning}")
     if r.timed:
         step = r.mean("seconds")
         bs = Counter(s.batch_size for s in r.timed).most_common(1)[0][0]  # not the epoch's short last batch
@@ -373,6 +510,9 @@ def render_text(r: ScriptReport) -> str:
     if r.busy_functions:
         lines += ["", "What the script did instead (share of sampled time)"]
         lines += [f"    {share:5.0%}  {name}" for name, share in r.busy_functions]
+    if r.recommendations:
+        from trainfast.diagnose.report import recommendation_lines
+        lines += ["", "What to do, ranked by expected gain"] + recommendation_lines(r.recommendations)
     if r.findings:
         lines += ["", "Findings"] + [f"  - {f}" for f in r.findings]
     s = r.system

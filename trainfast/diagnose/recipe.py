@@ -1,0 +1,274 @@
+"""What a script reads, and the pack that replaces it: the script doctor's recipe.
+
+The probes note each image and CSV file the script opens for reading (an audit hook), the
+arguments of `keras.utils.image_dataset_from_directory`, and the first batch its data source
+gives. From those this module finds the source to pack — the CSV whose rows name the images
+read, the class folders they sit in, or image_dataset_from_directory's folder — and the size
+(the batch's own), and writes the exact `trainfast pack` command and the line to change in the
+script. The gain is measured on the spot: a pack of a sample of those files feeds the script's
+own Keras model for a few steps; for PyTorch the Loader's time per batch on that sample stands
+in for the data wait, as in the data doctor.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from trainfast import units
+from trainfast.data.sources import IMAGE_EXTENSIONS, Source, from_csv, from_folder
+from trainfast.diagnose.verdict import Recommendation
+from trainfast.errors import TrainfastError
+
+COVERED = 0.8  # a source explains the script's reads when it lists this share of the images read
+LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "plate", "text", "name")
+
+
+@dataclass
+class Recipe:
+    """The pack that replaces what the script reads, and how the script reads it instead."""
+
+    source: Source
+    size: tuple[int, int]  # (height, width) of the script's batches
+    channels: int
+    out: str  # the pack's suggested path
+    reads: str  # what the script reads, in words ("the 120 images listed in plates/labels.csv")
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def command(self) -> str:
+        return self.source.pack_command(self.out, f"{self.size[0]}x{self.size[1]}") + \
+            (" --channels 1" if self.channels == 1 else "")
+
+
+def batch_images(batch, framework: str):
+    """(images array, labels array or None, (H, W, C)) of a script's batch, or None: the first 4-D
+    array is the images (NHWC for Keras unless it says channels_first, NCHW for PyTorch)."""
+    parts = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    arrays = [_numpy(p) for p in parts]
+    x = next((a for a in arrays if a is not None and a.ndim == 4), None)
+    if x is None:
+        return None
+    y = next((a for a in arrays if a is not None and a is not x), None)
+    channels_last = framework == "keras" and _keras_channels_last()
+    h, w, c = (x.shape[1], x.shape[2], x.shape[3]) if channels_last else (x.shape[2], x.shape[3], x.shape[1])
+    return x, y, (int(h), int(w), int(c))
+
+
+def _keras_channels_last() -> bool:
+    import sys
+    keras = sys.modules.get("keras")
+    return keras is None or keras.config.image_data_format() == "channels_last"
+
+
+def _numpy(a):
+    if hasattr(a, "detach"):  # a torch tensor
+        return a.detach().cpu().numpy()
+    if hasattr(a, "numpy") and not isinstance(a, np.ndarray):  # a tf.Tensor
+        try:
+            return np.asarray(a.numpy())
+        except Exception:  # noqa: BLE001 - not an eager tensor
+            return None
+    return np.asarray(a) if hasattr(a, "shape") else None
+
+
+def find_recipe(probe, framework: str) -> tuple[Recipe | None, str]:
+    """The recipe for what the script read, or (None, why not, in words)."""
+    first = batch_images(probe.first_batch, framework) if probe.first_batch is not None else None
+    if first is None:
+        return None, "its batches hold no 4-D image array"
+    x, y, (h, w, c) = first
+    if c not in (1, 3):
+        return None, f"its images have {c} channels; a pack holds 1 (grayscale) or 3 (RGB)"
+    src, reads, notes = _source(probe)
+    if src is None:
+        return None, reads
+    return Recipe(src, (h, w), c, _pack_name(src), reads, notes + _label_notes(y, src, x)), ""
+
+
+def _source(probe) -> tuple[Source | None, str, list[str]]:
+    fd = probe.from_directory
+    if fd.get("directory"):
+        if fd.get("labels", "inferred") != "inferred":
+            return None, "image_dataset_from_directory was given its labels as a list; pack from a CSV", []
+        try:
+            src = from_folder(_rel(os.path.abspath(fd["directory"])))
+        except TrainfastError as e:
+            return None, str(e), []
+        return src, f"the {len(src):,} images under {fd['directory']} (image_dataset_from_directory)", []
+    read = [p for p, in_data in probe.files_read.items() if in_data] or list(probe.files_read)
+    if not read:
+        return None, ("it opened no image file that trainfast could see (a reader in C++, such as tf.data's, "
+                      "is out of its sight)"), []
+    for path in reversed(probe.csvs_read):  # the CSV read last is the likeliest list
+        found = _csv_source(path, read)
+        if found is not None:
+            return found
+    return _folder_source(read)
+
+
+def _csv_source(path: str, read: list[str]):
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None
+    if len(rows) < 2:
+        return None
+    header, body = [h.strip() for h in rows[0]], rows[1:]
+    base, wanted = os.path.dirname(path), set(read)
+    hits = [sum(len(r) == len(header) and os.path.normpath(os.path.join(base, r[i].strip())) in wanted for r in body)
+            for i in range(len(header))]
+    best = max(range(len(header)), key=hits.__getitem__)
+    if hits[best] < COVERED * len(wanted):
+        return None
+    others = [h for i, h in enumerate(header) if i != best]
+    if not others:
+        return None
+    label = next((h for h in others if h.lower() in LABEL_NAMES), others[0])
+    notes = [f"label column {label!r} is a guess among {', '.join(map(repr, others))}: check it"] * (len(others) > 1 and
+                                                                                                   label.lower() not in LABEL_NAMES)
+    try:
+        src = from_csv(_rel(path), path_column=header[best], label_column=label)
+    except TrainfastError:
+        return None
+    return src, f"the {len(src):,} images listed in {_rel(path)}", notes
+
+
+def _folder_source(read: list[str]):
+    root = os.path.commonpath(read)
+    if os.path.isfile(root):
+        root = os.path.dirname(root)
+    if all(os.path.dirname(p) == root for p in read):  # all in one folder: its parent may hold the classes
+        parent = os.path.dirname(root)
+        if sum(_holds_images(os.path.join(parent, d)) for d in os.listdir(parent) if not d.startswith(".")) < 2:
+            return None, (f"the images it reads sit in one folder ({_rel(root)}) and no CSV it opened lists them: "
+                          "trainfast cannot tell their labels"), []
+        root = parent
+    try:
+        src = from_folder(_rel(root))
+    except TrainfastError as e:
+        return None, str(e), []
+    listed = {os.path.abspath(f) for f in src.files}
+    if sum(p in listed for p in read) < COVERED * len(read):
+        return None, f"{_rel(root)} holds class folders, but not the images the script read", []
+    return src, f"the {len(src):,} images in the class folders of {_rel(root)}", []
+
+
+def _holds_images(folder: str) -> bool:
+    """A folder with image files right inside it, as a class folder has (a peek, not a walk)."""
+    try:
+        with os.scandir(folder) as it:
+            return any(e.name.lower().endswith(IMAGE_EXTENSIONS) for e in it)
+    except OSError:  # not a folder, or unreadable
+        return False
+
+
+def _label_notes(y, src: Source, x) -> list[str]:
+    notes = []
+    if y is not None and y.dtype.kind == "f" and y.ndim >= 2 and np.allclose(y.sum(-1), 1) and \
+            np.isin(y, (0, 1)).all():
+        notes.append("your labels were one-hot; PackDataset gives class indices: use the sparse_ form of the loss "
+                     "(sparse_categorical_crossentropy)")
+    if float(np.max(x)) > 1.5:
+        notes.append("your batches held pixel values up to 255; PackDataset gives 0–1 (as / 255.0 does): drop a "
+                     "Rescaling(1/255) layer, or multiply by 255")
+    return notes
+
+
+def _pack_name(src: Source) -> str:
+    p = Path(src.origin)
+    stem = p.parent.name if src.kind == "csv" and p.parent.name else (p.stem if src.kind == "csv" else p.name)
+    return f"{stem or 'data'}.pack"
+
+
+def _rel(path: str) -> str:
+    r = os.path.relpath(path)
+    return path if r.startswith("..") else r
+
+
+def sample_pack(src: Source, size: tuple[int, int], channels: int, n: int, where: Path):
+    """A pack of the first `n` inputs of `src` in `where` (the doctor's measurements of a pack)."""
+    from trainfast.data.pack import pack
+
+    sample = Source(src.kind, src.origin, src.keys[:n], src.labels[:n], src.classes, src.alphabet,
+                    files=src.files[:n] if src.files else None,
+                    array=src.array[:n] if src.array is not None else None)
+    return pack(sample, where / "sample", size=tuple(size), channels=channels, progress=False)
+
+
+def keras_recommendation(recipe: Recipe, model, script_step_s: float, batch_size: int, data_name: str,
+                         x, y, max_seconds: float = 20.0) -> Recommendation:
+    """Feed the script's own Keras model from a pack of a sample of its files for a few steps and
+    compare the step time with the script's own (data wait included)."""
+    import keras
+
+    from trainfast.keras import PackDataset
+
+    tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
+    try:
+        n = min(len(recipe.source), max(4 * batch_size, 256))
+        pk = sample_pack(recipe.source, recipe.size, recipe.channels, n, tmp)
+        feed = PackDataset(pk, batch_size=min(batch_size, len(pk)), drop_last=True)
+        labels = np.resize(y, (feed.loader.batch_size, *y.shape[1:])) if y is not None else None
+        scale = 255.0 if float(np.max(x)) > 1.5 else 1.0  # the model sees what the script gave it
+        steps = int(min(10, max(4, max_seconds / max(script_step_s, 1e-3)))) + 2
+        ends: list[float] = []
+
+        class Feed(keras.utils.PyDataset):
+            def __len__(self):
+                return steps
+
+            def __getitem__(self, i):
+                images, _ = feed[i % len(feed)]
+                return (images * scale if scale != 1.0 else images), labels
+
+        class Ends(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                ends.append(time.perf_counter())
+
+        model.fit(Feed(), epochs=1, verbose=0, callbacks=[Ends()])
+        step = statistics.median(np.diff(ends[1:])) if len(ends) > 3 else float("nan")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    code = (f"from trainfast.keras import PackDataset\n"
+            f"data = PackDataset({recipe.out!r}, batch_size={batch_size})   # was: {data_name}")
+    return Recommendation(
+        "Pack the images once, then feed Keras from the pack",
+        f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {n}" for n in recipe.notes),
+        script_step_s / step, True,
+        f"your model fed from a pack of {n} of your files: {units.ms(step)} ms per step, against "
+        f"{units.ms(script_step_s)} ms with {data_name}; the script reads {recipe.reads}")
+
+
+def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_size: int,
+                         data_name: str) -> Recommendation:
+    """The Loader's time per batch on a pack of a sample of the script's files, in place of the
+    data wait (the data doctor's estimate of the same fix)."""
+    from trainfast.data.loader import Loader
+    from trainfast.diagnose import _seconds_per_batch
+
+    tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
+    try:
+        n = min(len(recipe.source), max(4 * batch_size, 256))
+        pk = sample_pack(recipe.source, recipe.size, recipe.channels, n, tmp)
+        per_batch = _seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    new = max(step_s - data_s, 0.0) + per_batch
+    code = (f"from trainfast import Loader\n"
+            f"loader = Loader({recipe.out!r}, batch_size={batch_size}, device=DEVICE)   # was: {data_name}\n"
+            f"# batches come as (images N×C×H×W float on DEVICE, normalised; labels int64)")
+    return Recommendation(
+        "Pack the images once, then stream the pack", f"{recipe.command}\n# then in the script:\n{code}",
+        step_s / max(new, 1e-9), True,
+        f"a pack of {n} of your files loads a batch in {units.ms(per_batch)} ms; the script waited "
+        f"{units.ms(data_s)} ms per step for {data_name}; it reads {recipe.reads}")

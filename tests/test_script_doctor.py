@@ -376,3 +376,41 @@ def test_the_script_report_warns_on_a_busy_machine_and_charts_its_layers(tmp_pat
     assert "WARNING  other processes kept" in r.text()
     page = r.html()
     assert "Busy machine" in page and 'id="layer-cost"' in page and 'id="step-breakdown"' in page
+
+
+STORY_512 = '''
+import sys
+import keras
+from keras import layers
+
+train = keras.utils.image_dataset_from_directory(sys.argv[1], image_size=(64, 64), batch_size=5)
+model = keras.Sequential([keras.Input((64, 64, 3)), layers.Rescaling(1 / 255), layers.Conv2D(8, 3, activation="relu"),
+                          layers.GlobalAveragePooling2D(), layers.Dense(2)])
+model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(train, epochs=50, verbose=0)
+'''
+
+
+def test_image_dataset_from_directory_on_tensorflow_gets_the_folder_recipe(tmp_path, image_folder):
+    """The 512² story's Keras 3 form: tf.data reads in C++, so the doctor takes the folder from
+    image_dataset_from_directory's arguments and times the dataset alone after the run. Needs
+    TensorFlow (not in CI): run in a subprocess on the tensorflow backend."""
+    import os
+    import subprocess
+    import sys
+    if subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True).returncode:
+        pytest.skip("TensorFlow is not installed")
+    script = _script(tmp_path, STORY_512)
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "trainfast", "doctor", "--steps", "6", "--json", str(out), "--",
+                        "python", str(script), str(image_folder)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert r["data_source"]["kind"] == "tf.data Dataset" and r["generator_s_per_batch"] > 0
+    recipe = [x for x in r["recommendations"] if x["title"].startswith("Pack the images once")]
+    from trainfast.diagnose.verdict import MODERATELY_INPUT_BOUND
+    if r["data_share"] >= MODERATELY_INPUT_BOUND:  # 14% here: a 5-image step of a tiny model is 2.5 ms
+        assert recipe and recipe[0]["action"].startswith(f"trainfast pack {image_folder} photos.pack --size 64x64")
+        assert "image_dataset_from_directory" in recipe[0]["action"] and "Rescaling" in recipe[0]["action"]

@@ -411,7 +411,11 @@ def _findings(r: ScriptReport, recipe: bool = False, why_no_recipe: str = "") ->
                        + (f" (no exact command: {why_no_recipe})" if why_no_recipe else ""))
         if src.get("num_workers") == 0:
             out.append("the DataLoader has num_workers=0: every batch is prepared in the training loop itself")
-    if r.fetched_ahead:
+    if r.fetched_ahead and src.get("kind") == "tf.data Dataset":
+        out.append("tf.data prepares batches on its own threads, out of the doctor's sight during fit; the dataset "
+                   "was timed alone after the run, and that time per batch is counted as data wait (an upper "
+                   "bound: some of it overlaps the step)")
+    elif r.fetched_ahead:
         out.append("Keras ran the data source on a worker thread; its time per step is counted as data wait "
                    "(an upper bound: some of it may overlap the step)")
     if (src.get("num_workers") or 0) > 0 and not r.data_functions:
@@ -502,8 +506,10 @@ def render_text(r: ScriptReport) -> str:
         lines += ["", "Data pipeline"]
         if r.data_source:
             lines.append("  " + ", ".join(f"{k} {v}" for k, v in r.data_source.items()))
-        lines.append(f"  batches drawn: {r.batches_drawn}" + (f"; the generator takes {units.ms(r.generator_s_per_batch)} "
-                                                               "ms per batch" if r.generator_s_per_batch else ""))
+        alone = r.data_source.get("kind") == "tf.data Dataset"
+        lines.append((f"  batches drawn: {r.batches_drawn}" if not alone else "  timed alone after the run")
+                     + (f"; the {'dataset' if alone else 'generator'} takes {units.ms(r.generator_s_per_batch)} "
+                        "ms per batch" if r.generator_s_per_batch else ""))
         if r.data_functions:
             lines.append("  where the data time goes (share of sampled time inside the data pipeline):")
             lines += [f"    {share:5.0%}  {name}" for name, share in r.data_functions]

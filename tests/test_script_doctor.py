@@ -348,12 +348,16 @@ def test_the_recipe_finds_the_csv_that_lists_the_images_and_guesses_its_label_co
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     listed = tmp_path / "list.csv"
     listed.write_text("file,kind,extra\n" + rows + "\n")
-    recipe, why = find_recipe(_probe_with(files[:6], [listed, tmp_path / "other.csv"]), "keras")
+    class_batch = (np.zeros((2, 64, 128, 3), np.float32), np.array([0, 1]))  # the script's labels: classes
+    recipe, why = find_recipe(_probe_with(files[:6], [listed, tmp_path / "other.csv"], class_batch), "keras")
     assert recipe is not None, why
     assert recipe.command == f"trainfast pack {listed} {tmp_path.name}.pack --size 64x128 --path-column file " \
                              "--label-column kind"
-    assert recipe.notes and "'kind' is a guess" in recipe.notes[0]
+    assert not recipe.notes  # 'kind' repeats 2 values, 'extra' holds one: the labels decide
     assert recipe.source.classes == ["cat", "dog"] and len(recipe.source) == len(files)
+    seq_batch = (class_batch[0], np.zeros((2, 8), np.int64))  # 8-character labels: no column fits, a guess
+    recipe, why = find_recipe(_probe_with(files[:6], [listed], seq_batch), "keras")
+    assert "--label-column kind" in recipe.command and "'kind' is a guess among 'kind', 'extra'" in recipe.notes[0]
 
     flat = tmp_path / "flat"
     flat.mkdir()

@@ -88,13 +88,13 @@ def find_recipe(probe, framework: str) -> tuple[Recipe | None, str]:
     x, y, (h, w, c) = first
     if c not in (1, 3):
         return None, f"its images have {c} channels; a pack holds 1 (grayscale) or 3 (RGB)"
-    src, reads, notes = _source(probe)
+    src, reads, notes = _source(probe, y)
     if src is None:
         return None, reads
     return Recipe(src, (h, w), c, _pack_name(src), reads, notes + _label_notes(y, src, x)), ""
 
 
-def _source(probe) -> tuple[Source | None, str, list[str]]:
+def _source(probe, labels=None) -> tuple[Source | None, str, list[str]]:
     fd = probe.from_directory
     if fd.get("directory"):
         if fd.get("labels", "inferred") != "inferred":
@@ -109,13 +109,13 @@ def _source(probe) -> tuple[Source | None, str, list[str]]:
         return None, ("it opened no image file that trainfast could see (a reader in C++, such as tf.data's, "
                       "is out of its sight)"), []
     for path in reversed(probe.csvs_read):  # the CSV read last is the likeliest list
-        found = _csv_source(path, read)
+        found = _csv_source(path, read, labels)
         if found is not None:
             return found
     return _folder_source(read)
 
 
-def _csv_source(path: str, read: list[str]):
+def _csv_source(path: str, read: list[str], y=None):
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             rows = list(csv.reader(f))
@@ -130,17 +130,33 @@ def _csv_source(path: str, read: list[str]):
     best = max(range(len(header)), key=hits.__getitem__)
     if hits[best] < COVERED * len(wanted):
         return None
-    others = [h for i, h in enumerate(header) if i != best]
+    others = [i for i in range(len(header)) if i != best]
     if not others:
         return None
-    label = next((h for h in others if h.lower() in LABEL_NAMES), others[0])
-    notes = [f"label column {label!r} is a guess among {', '.join(map(repr, others))}: check it"] * (len(others) > 1 and
-                                                                                                   label.lower() not in LABEL_NAMES)
+    fits = [i for i in others if _fits_labels([r[i].strip() for r in body if len(r) == len(header)], y)]
+    candidates = fits or others
+    named = [i for i in candidates if header[i].lower() in LABEL_NAMES]
+    label = header[(named or candidates)[0]]
+    notes = [] if len(others) == 1 or len(fits) == 1 else \
+        [f"label column {label!r} is a guess among {', '.join(repr(header[i]) for i in others)}: check it"]
     try:
         src = from_csv(_rel(path), path_column=header[best], label_column=label)
     except TrainfastError:
         return None
     return src, f"the {len(src):,} images listed in {_rel(path)}", notes
+
+
+def _fits_labels(values: list[str], y) -> bool:
+    """Could this CSV column be the labels the script's batch held? Sequences (y of shape (B, L),
+    integers) need strings of length L; classes (y of shape (B,), or one-hot (B, K)) need 2 or
+    more distinct values that repeat (at most K when one-hot)."""
+    if y is None or not values:
+        return False
+    one_hot = y.dtype.kind == "f" and y.ndim == 2 and np.isin(y, (0, 1)).all()
+    if y.ndim == 2 and not one_hot:
+        return sum(len(v) == y.shape[1] for v in values) >= 0.9 * len(values)
+    distinct = len(set(values))
+    return 2 <= distinct <= (y.shape[1] if one_hot else len(values) // 2)  # class labels repeat
 
 
 def _folder_source(read: list[str]):

@@ -324,8 +324,9 @@ def _keras_settings(r: ScriptReport, probe: _Probe, log) -> list[str]:
         f"Keras's own settings: {result.best.setting.label()}", result.code(),
         step / (data + max(step - data, 0.0) / f), True,
         f"the train step alone, on a copy of your model with your batch: ×{f:.2f} "
-        f"({units.rate(result.base.images_per_s)} → {units.rate(result.best.images_per_s)} images/s); "
-        f"the whole step gains less while it waits for data"))
+        f"({units.rate(result.base.images_per_s)} → {units.rate(result.best.images_per_s)} images/s)"
+        + ("; the whole step gains that once it no longer waits for data (the pack above)"
+           if r.recommendations else "")))
     return []
 
 

@@ -35,6 +35,7 @@ SUITE = {  # name: benchmarks/bench_SCRIPT.py and its arguments
     "defaults": ("defaults", []),
     "race": ("race", []),
     "outside": ("outside", []),  # 18 torchvision/timm models, fit's defaults against a plain loop (~15 min)
+    "keras_feed": ("keras_feed", []),  # Keras's feeds per backend: TensorFlow, torch, JAX (~15 min)
 }
 
 

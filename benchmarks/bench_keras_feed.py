@@ -14,6 +14,9 @@ a figure is the median images/s of --runs epochs. The feeds:
     sequence_mp   the same Sequence with workers=4, use_multiprocessing=True
     tfdata        the best tf.data pipeline from the files: parallel read/decode/resize (AUTOTUNE),
                   cache, shuffle, batch, prefetch (every backend can iterate tf.data)
+  folders (the 512² story: JPEG photos in class folders, 512×512 after resizing, batch 5)
+    from_directory  keras.utils.image_dataset_from_directory(...), Keras 3's flow_from_directory
+    tfdata        the same with .cache().prefetch(AUTOTUNE)
   arrays (the CIFAR story: uint8 images in memory)
     arrays        model.fit(x / 255.0, y, batch_size=...) as the story wrote it
     tfdata        from_tensor_slices(uint8), shuffle, batch, map(cast / 255, AUTOTUNE), prefetch
@@ -58,7 +61,16 @@ def _data(model: str, images: int, tmp: Path) -> dict:
                             progress=False)
         return {"csv": str(tmp / "plates" / "labels.csv"), "pack": str(pk.path)}
     rng = np.random.default_rng(0)
-    side = 32 if model == "cifar_cnn" else 512
+    if model == "classifier512":  # the 512² story: JPEG photos in class folders, larger than 512²
+        from PIL import Image
+        for i in range(images):
+            folder = tmp / "photos" / f"class{i % 10}"
+            folder.mkdir(parents=True, exist_ok=True)
+            small = rng.integers(0, 256, (60, 80, 3), dtype=np.uint8)  # smooth, photo-like after upscaling
+            Image.fromarray(small).resize((800, 600), Image.BILINEAR).save(folder / f"{i:05d}.jpg", quality=90)
+        pk = trainfast.pack(tmp / "photos", tmp / "photos.pack", size=(512, 512), progress=False)
+        return {"folder": str(tmp / "photos"), "pack": str(pk.path)}
+    side = 32
     x = rng.integers(0, 256, (images, side, side, 3), dtype=np.uint8)
     y = rng.integers(0, 10, images)
     np.savez(tmp / "arrays.npz", x=x, y=y)
@@ -107,6 +119,15 @@ def _feeds(model: str, data: dict, batch: int) -> dict:
         files_ds = (tf.data.Dataset.from_tensor_slices((paths, labels)).map(load, num_parallel_calls=tf.data.AUTOTUNE)
                     .cache().shuffle(len(paths)).batch(batch).prefetch(tf.data.AUTOTUNE))
         feeds["tfdata"] = lambda: (files_ds, {})
+    elif "folder" in data:  # Keras 3's form of the story's flow_from_directory
+        def from_directory():
+            return keras.utils.image_dataset_from_directory(data["folder"], image_size=(512, 512), batch_size=batch,
+                                                            verbose=False)
+        scaled = lambda ds: ds.map(lambda a, b: (a / 255.0, b))  # noqa: E731 - the story's rescale=1/255
+        plain = scaled(from_directory())
+        best = scaled(from_directory()).cache().prefetch(tf.data.AUTOTUNE)
+        feeds["from_directory"] = lambda: (plain, {})
+        feeds["tfdata"] = lambda: (best, {})
     else:
         z = np.load(data["npz"])
         x8, y = z["x"], z["y"]
@@ -219,7 +240,7 @@ def main():
             rows = [r for r in results if r["backend"] == backend and r["model"] == model]
             if not rows:
                 continue
-            story = next((r for r in rows if r["feed"] in ("sequence", "arrays")), rows[0])["images_per_s"]
+            story = next((r for r in rows if r["feed"] in ("sequence", "arrays", "from_directory")), rows[0])["images_per_s"]
             best_user = max(r["images_per_s"] for r in rows if r["feed"] not in ("packdataset", "tf_pack"))
             for r in rows:
                 print(f"{backend:11s} {model:10s} {r['feed']:12s} {r['images_per_s']:9,.0f} "

@@ -416,7 +416,7 @@ def _loader_seconds_per_batch(src: Source, shape, batch_size: int, dev) -> float
 
     tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
     try:
-        pk = sample_pack(src, tuple(shape[1:]), shape[0], min(len(src), max(4 * batch_size, 256)), tmp)
+        pk = sample_pack(src, tuple(shape[1:]), shape[0], batch_size, tmp)
         return _seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device=dev, drop_last=True))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

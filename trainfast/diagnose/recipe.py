@@ -91,7 +91,7 @@ def find_recipe(probe, framework: str) -> tuple[Recipe | None, str]:
     src, reads, notes = _source(probe, y)
     if src is None:
         return None, reads
-    return Recipe(src, (h, w), c, _pack_name(src), reads, notes + _label_notes(y, src, x)), ""
+    return Recipe(src, (h, w), c, _pack_name(src), reads, notes + _label_notes(y, x)), ""
 
 
 def _source(probe, labels=None) -> tuple[Source | None, str, list[str]]:
@@ -188,7 +188,8 @@ def _holds_images(folder: str) -> bool:
         return False
 
 
-def _label_notes(y, src: Source, x) -> list[str]:
+def _label_notes(y, x) -> list[str]:
+    """What else changes when the script reads a PackDataset instead: its labels' and pixels' form."""
     notes = []
     if y is not None and y.dtype.kind == "f" and y.ndim >= 2 and np.allclose(y.sum(-1), 1) and \
             np.isin(y, (0, 1)).all():
@@ -211,10 +212,12 @@ def _rel(path: str) -> str:
     return path if r.startswith("..") else r
 
 
-def sample_pack(src: Source, size: tuple[int, int], channels: int, n: int, where: Path):
-    """A pack of the first `n` inputs of `src` in `where` (the doctor's measurements of a pack)."""
+def sample_pack(src: Source, size: tuple[int, int], channels: int, batch_size: int, where: Path):
+    """A pack in `where` of the first inputs of `src`, enough for a few batches (at least 256):
+    what the doctors time a pack's reader on."""
     from trainfast.data.pack import pack
 
+    n = min(len(src), max(4 * batch_size, 256))
     sample = Source(src.kind, src.origin, src.keys[:n], src.labels[:n], src.classes, src.alphabet,
                     files=src.files[:n] if src.files else None,
                     array=src.array[:n] if src.array is not None else None)
@@ -231,8 +234,8 @@ def keras_recommendation(recipe: Recipe, model, script_step_s: float, batch_size
 
     tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
     try:
-        n = min(len(recipe.source), max(4 * batch_size, 256))
-        pk = sample_pack(recipe.source, recipe.size, recipe.channels, n, tmp)
+        pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
+        n = len(pk)
         feed = PackDataset(pk, batch_size=min(batch_size, len(pk)), drop_last=True)
         labels = np.resize(y, (feed.loader.batch_size, *y.shape[1:])) if y is not None else None
         scale = 255.0 if float(np.max(x)) > 1.5 else 1.0  # the model sees what the script gave it
@@ -259,7 +262,7 @@ def keras_recommendation(recipe: Recipe, model, script_step_s: float, batch_size
             f"data = PackDataset({recipe.out!r}, batch_size={batch_size})   # was: {data_name}")
     return Recommendation(
         "Pack the images once, then feed Keras from the pack",
-        f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {n}" for n in recipe.notes),
+        f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {note}" for note in recipe.notes),
         script_step_s / step, True,
         f"your model fed from a pack of {n} of your files: {units.ms(step)} ms per step, against "
         f"{units.ms(script_step_s)} ms with {data_name}; the script reads {recipe.reads}")
@@ -274,8 +277,8 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
 
     tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
     try:
-        n = min(len(recipe.source), max(4 * batch_size, 256))
-        pk = sample_pack(recipe.source, recipe.size, recipe.channels, n, tmp)
+        pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
+        n = len(pk)
         per_batch = _seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

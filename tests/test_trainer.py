@@ -290,6 +290,13 @@ def test_resume_refuses_options_it_would_ignore(digits_packs, small_net_file, tm
                  "--model", f"{small_net_file}:small", "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert "PACK, --epochs, --lr would change it" in err and err.count("\n") == 1
+    saved = json.loads((run / "config.json").read_text())["train"]["epochs"]
+    assert saved != 10
+    # --epochs 10 is the default's value, and was ignored silently; the run's own count passes
+    assert main(["train", "--resume", str(run), "--epochs", "10", "--model", f"{small_net_file}:small"]) == 1
+    assert f"as its config.json says ({saved} epochs); --epochs would change it" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "--epochs", str(saved), "--model", f"{small_net_file}:small",
+                 "--device", "cpu", "-q"]) == 0
 
 
 @pytest.mark.parametrize("text,says", [("{not json", "unreadable"), ('{"model": "cifar_cnn"}', "no 'train'"),
@@ -557,3 +564,86 @@ def test_an_epoch_far_slower_than_tune_timed_is_said_and_a_stale_cached_choice_d
     trainer._check_tuned_rate(cached, tried, speed, {"epoch": 1, "images_per_s": 300.0, "other_cores": 0.0},
                               said.append)
     assert dropped == [cached] and "looks stale" in said[-1]
+
+
+def _small_run(small_net_file, train, run, **kw):
+    return fit(f"{small_net_file}:small", train, config=TrainConfig(epochs=kw.pop("epochs", 1)),
+               speed=Speed(batch_size=64), device="cpu", run_dir=run, progress=False, log=kw.pop("log", lambda *a: None),
+               **kw)
+
+
+def test_resume_writes_nothing_through_links_in_the_run_dir(digits_packs, tmp_path, small_net_file):
+    """A run directory holding links (metrics.csv -> ~/.bashrc, curves.png -> another file) is
+    refused on resume, each named, with the files outside untouched; a link planted under a
+    temporary file's name is never opened; the temporaries a killed save left are removed."""
+    train, _ = digits_packs
+    run = tmp_path / "run"
+    _small_run(small_net_file, train, run, epochs=2)
+    (run / "last.pt").rename(run / "keep.pt")  # resume from epoch 1 of 2: the run will write again
+    bashrc, other = tmp_path / "bashrc", tmp_path / "other.png"
+    bashrc.write_text("export PATH\n")
+    other.write_bytes(b"mine")
+    (run / "metrics.csv").unlink()
+    (run / "metrics.csv").symlink_to(bashrc)
+    (run / "curves.png").unlink()
+    (run / "curves.png").symlink_to(other)
+    with pytest.raises(TrainfastError, match=r"metrics.csv, curves.png are links; trainfast writes nothing through a "
+                                             r"link in a run directory: remove them"):
+        fit(f"{small_net_file}:small", train, device="cpu", run_dir=run, resume=True, progress=False,
+            log=lambda *a: None)
+    assert bashrc.read_text() == "export PATH\n" and other.read_bytes() == b"mine"
+
+    (run / "metrics.csv").unlink()
+    (run / "curves.png").unlink()
+    (run / ".last.pt.123.tmp").symlink_to(bashrc)  # where an older trainfast wrote its temporary
+    (run / ".best.pt.x1y2.tmp").write_bytes(b"\0" * 1000)  # what a killed save leaves
+    (run / "keep.pt").rename(run / "last.pt")
+    r = fit(f"{small_net_file}:small", train, device="cpu", run_dir=run, resume=True, progress=False,
+            log=lambda *a: None)
+    assert r.stopped == "finished" and (run / "metrics.csv").is_file() and not (run / "metrics.csv").is_symlink()
+    assert bashrc.read_text() == "export PATH\n"
+    assert not (run / ".best.pt.x1y2.tmp").exists() and (run / ".last.pt.123.tmp").is_symlink()
+
+
+def test_one_run_at_a_time_in_a_run_dir(digits_packs, tmp_path, small_net_file):
+    from trainfast import files
+    train, _ = digits_packs
+    run = tmp_path / "run"
+    with files.only_one(run / ".trainfast-lock", "held"):  # another run holds it
+        with pytest.raises(TrainfastError, match="another trainfast run is using this run directory now"):
+            _small_run(small_net_file, train, run)
+    assert not any(p.name != ".trainfast-lock" for p in run.iterdir())  # it wrote nothing
+    _small_run(small_net_file, train, run)  # free again: the run goes
+    assert (run / "last.pt").is_file() and not (run / ".trainfast-lock").exists()
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over_on_resume(digits_packs, tmp_path, small_net_file):
+    train, _ = digits_packs
+    run = tmp_path / "run"
+    _small_run(small_net_file, train, run)
+    for name in ("last.pt", "best.pt", "metrics.csv"):
+        (run / name).unlink()  # what a SIGKILL during the first epoch leaves: config.json and speed.json
+    said = []
+    r = fit(f"{small_net_file}:small", train, device="cpu", run_dir=run, resume=True, progress=False, log=said.append)
+    assert any("stopped before its first checkpoint; starting it over" in m for m in said)
+    assert r.stopped == "finished" and (run / "last.pt").is_file()
+
+
+def test_a_full_disk_while_saving_keeps_the_last_checkpoint_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    from trainfast.train import checkpoint
+    net = torch.nn.Linear(2, 2)
+    state = {"model_name": "lin", "signature": checkpoint.signature(net), "model": net.state_dict()}
+    checkpoint.save(tmp_path / "last.pt", state)
+    before = (tmp_path / "last.pt").read_bytes()
+
+    def full(obj, f):
+        f.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(TrainfastError, match=r"last.pt: cannot write \(No space left on device\); nothing was "
+                                             r"replaced"):
+        checkpoint.save(tmp_path / "last.pt", state)
+    assert (tmp_path / "last.pt").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary left behind

@@ -217,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--val", metavar="PACK", help="validation pack (default: hold out --val-fraction)")
     tr.add_argument("--run-dir", help="where outputs go (default: runs/MODEL-TIME)")
     tr.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
-    tr.add_argument("--epochs", type=int, default=10, help="(default: 10)")
+    tr.add_argument("--epochs", type=_positive_int, default=None, help="(default: 10)")
     tr.add_argument("--batch-size", type=int, default=None, help="pin the batch size (default: tuned)")
     tr.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                     help="(default: adamw, which also trains networks without normalisation; sgd is Nesterov)")
@@ -401,7 +401,7 @@ def _cmd_train(a) -> ExitStatus:
     else:
         if not a.pack or not a.model:
             raise TrainfastError("give a PACK and --model (or --resume RUN_DIR)")
-        cfg = TrainConfig(epochs=a.epochs, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
+        cfg = TrainConfig(epochs=a.epochs or TrainConfig.epochs, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
                           schedule=a.schedule, warmup=a.warmup, label_smoothing=a.label_smoothing, clip=a.clip,
                           val_fraction=a.val_fraction, patience=a.patience, save_every=a.save_every, seed=a.seed,
                           deterministic=a.deterministic, loss_watch=not a.no_loss_watch, tune_share=a.tune_share,
@@ -429,12 +429,13 @@ def _resumable(a) -> dict:
     from trainfast.train.trainer import read_run_config
 
     defaults = vars(_parser().parse_args(["train"]))
-    changed = [("PACK" if k == "pack" else "--" + k.replace("_", "-")) for k, v in vars(a).items()
-               if k not in _RESUME_TAKES and v != defaults.get(k)]
-    if changed:
-        raise TrainfastError(f"--resume continues the run as its config.json says; {', '.join(changed)} would change "
-                             f"it (start a new run for that)")
     saved = read_run_config(a.resume)
+    changed = [("PACK" if k == "pack" else "--" + k.replace("_", "-")) for k, v in vars(a).items()
+               if k not in _RESUME_TAKES and v != defaults.get(k)
+               and not (k == "epochs" and v == saved["train"].get("epochs"))]  # the run's own count: no change
+    if changed:
+        raise TrainfastError(f"--resume continues the run as its config.json says ({saved['train'].get('epochs')} "
+                             f"epochs); {', '.join(changed)} would change it (start a new run for that)")
     spec = saved["model"]
     if spec in models.list():
         if a.model and a.model != spec:

@@ -9,7 +9,6 @@ is renamed to OUT in one step. A reader never sees a half-written pack.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import json
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainfast import units
+from trainfast import files, units
 from trainfast.config import PackConfig
 from trainfast.data import decode as _decode
 from trainfast.data.format import ENCODINGS, SCHEMA_VERSION, Pack, is_pack, read_meta
@@ -157,46 +156,12 @@ def _build(src: Source, out: Path, order: np.ndarray, cfg: PackConfig, identity:
     return pk
 
 
-@contextlib.contextmanager
 def _only_writer(out: Path):
-    """One trainfast process builds OUT at a time; a second one says so at once.
-
-    The lock is a file beside OUT, flock'ed; it is removed by its holder at the end, and a
-    process that locked a file since removed tries again."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no flock; two writers there are the user's to avoid
-        yield
-        return
-    path = out.parent / f".{out.name}.trainfast-lock"
-    while True:
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)  # pack(src, "new/sub/x.pack"): OUT's parents are made
-            # NOTE: O_NOFOLLOW: a link planted under the lock's name is not followed to create its target
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        except OSError as e:
-            raise TrainfastError(f"{out.parent}: cannot write here ({e.strerror or e})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise TrainfastError(f"{out}: another trainfast process is building this pack now; wait for it to "
-                                 "finish (then rerun: an up-to-date pack is kept) or choose another OUT") from None
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # its holder removed it as we opened it: take the new one
-    try:
-        yield
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        os.close(fd)
+    """One trainfast process builds OUT at a time; a second one says so at once (the lock is a
+    file beside OUT, `.OUT.trainfast-lock`)."""
+    return files.only_one(out.parent / f".{out.name}.trainfast-lock",
+                          f"{out}: another trainfast process is building this pack now; wait for it to finish "
+                          "(then rerun: an up-to-date pack is kept) or choose another OUT")
 
 
 def _check_out(out: Path, src: Source) -> None:

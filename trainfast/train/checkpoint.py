@@ -12,11 +12,11 @@ machine and the reverse.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
+from trainfast import files
 from trainfast.errors import TrainfastError
 
 FORMAT = "trainfast-checkpoint"
@@ -56,11 +56,9 @@ def set_rng_state(saved, device: torch.device) -> str | None:
 
 
 def save(path: Path, state: dict) -> None:
-    """torch.save to a temporary sibling, then rename: a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save({"format": FORMAT, "version": VERSION, **state}, tmp)
-    os.replace(tmp, path)
+    """torch.save whole or not at all, never through a link (files.write_whole): a reader never
+    sees half a file, a full disk leaves the last checkpoint as it was and says so."""
+    files.write_whole(Path(path), lambda f: torch.save({"format": FORMAT, "version": VERSION, **state}, f))
 
 
 def load(path: Path, model_name: str, model: torch.nn.Module) -> dict:

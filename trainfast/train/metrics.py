@@ -5,9 +5,12 @@ CSV, and the PNG curves of loss and accuracy.
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 import torch
+
+from trainfast import files
 
 
 def correct(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -78,13 +81,12 @@ class MetricsLog:
         self._write()
 
     def _write(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, COLUMNS)
-            w.writeheader()
-            for r in self.rows:
-                w.writerow({k: r.get(k, "") for k in COLUMNS})
-        tmp.replace(self.path)
+        text = io.StringIO(newline="")
+        w = csv.DictWriter(text, COLUMNS)
+        w.writeheader()
+        for r in self.rows:
+            w.writerow({k: r.get(k, "") for k in COLUMNS})
+        files.write_text(self.path, text.getvalue())
 
 
 def plot_curves(rows: list[dict], path: Path, sequence: bool) -> None:
@@ -108,5 +110,7 @@ def plot_curves(rows: list[dict], path: Path, sequence: bool) -> None:
         b.plot(ep, [r["val_seq_acc"] for r in rows], "o-", label="validation (whole sequence)")
     b.set_xlabel("epoch"), b.set_ylabel("accuracy"), b.set_ylim(0, 1), b.legend(), b.set_title("accuracy")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    files.write_whole(path, lambda f: f.write(png.getvalue()))

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainfast import hardware, models, units
+from trainfast import files, hardware, models, units
 from trainfast import step as _step
 from trainfast.config import OPTIMIZERS, SCHEDULES, Augment, Speed, TrainConfig, default_lr, scale_lr
 from trainfast.data.format import Pack, as_pack
@@ -284,17 +284,35 @@ def _same_pack(pk: Pack, recorded, what: str) -> None:
                              f"{recorded['count']} images); resume with that pack")
 
 
-def _prepare_run_dir(run_dir: Path) -> None:
-    """A new run's directory: created, or empty; refused if it holds anything."""
-    if run_dir.exists() and any(run_dir.iterdir()):
+RUN_FILES = ("config.json", "speed.json", "metrics.csv", "curves.png", "last.pt", "best.pt")  # what a run writes
+RUN_LOCK = ".trainfast-lock"
+
+
+def _own_run_dir(run_dir: Path, resume: bool, stack: contextlib.ExitStack) -> None:
+    """Hold the run directory for this run (a second run into it, new or resumed, is told at
+    once), then check it: a new run's must be empty; a resumed one's must hold no link where
+    the run writes (nothing is written through a link), and loses the temporary files of a
+    save that was killed."""
+    busy = (f"{run_dir}: another trainfast run is using this run directory now; wait for it, or choose another "
+            "--run-dir")
+    if not resume and run_dir.exists() and any(p.name != RUN_LOCK for p in run_dir.iterdir()):
         raise TrainfastError(f"{run_dir}: exists and is not empty; choose another --run-dir or --resume it")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
     except OSError as e:
         raise TrainfastError(f"{run_dir}: cannot write the run directory ({e.strerror or e})") from None
+    stack.enter_context(files.only_one(run_dir / RUN_LOCK, busy))
+    if not resume:
+        if any(p.name != RUN_LOCK for p in run_dir.iterdir()):  # filled between the look and the lock
+            raise TrainfastError(f"{run_dir}: exists and is not empty; choose another --run-dir or --resume it")
+        return
+    linked = files.links(run_dir, RUN_FILES)
+    if linked:
+        raise TrainfastError(f"{run_dir}: {', '.join(linked)} {'is a link' if len(linked) == 1 else 'are links'}; "
+                             "trainfast writes nothing through a link in a run directory: remove "
+                             f"{'it' if len(linked) == 1 else 'them'} (or copy the file in), then resume")
+    for tmp in files.stale_temporaries(run_dir, RUN_FILES):
+        tmp.unlink()
 
 
 def evaluate(model, loader: Loader, speed: Speed, device, world) -> dict:
@@ -836,7 +854,9 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
     with _determinism(cfg.deterministic), torch.random.fork_rng(devices=cuda):
         threads = torch.get_num_threads()  # a run may lower them for a while (_Threads) or pin them (Speed.threads)
         try:
-            return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, tune, progress, log)
+            with contextlib.ExitStack() as stack:
+                return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, tune, progress, log,
+                            stack)
         finally:
             torch.set_num_threads(threads)
 
@@ -859,8 +879,10 @@ def _given_back(user: torch.nn.Module) -> None:
                 p.data = p.data.contiguous()
 
 
-def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, saved, tune, progress, log):
-    """fit, after its arguments are read; `saved` is the run's config.json when resuming."""
+def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, saved, tune, progress, log,
+         stack: contextlib.ExitStack):
+    """fit, after its arguments are read; `saved` is the run's config.json when resuming; the run
+    directory's lock is held on `stack` (released when fit returns or fails)."""
     resume = saved is not None
     torch.manual_seed(cfg.seed)  # before the model is built: its initial weights follow the seed
     net, name = _model_and_name(model)
@@ -884,9 +906,12 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     net = _working_copy(given)
     say = log if world.is_main else (lambda *a, **k: None)
     run_dir = Path(run_dir or f"runs/{_dir_name(name)}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if world.is_main and not resume:
-        _prepare_run_dir(run_dir)
+    if world.is_main:
+        _own_run_dir(run_dir, resume, stack)
     distributed.barrier(world)
+    started = not resume or (run_dir / "last.pt").is_file()  # killed before its first checkpoint: start it over
+    if not started:
+        say(f"{run_dir}: the run stopped before its first checkpoint; starting it over with its saved settings")
 
     tune_table, front, raced, tuned = [], [], {}, None
     if resume:
@@ -937,7 +962,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
 
     log_csv = MetricsLog(run_dir / "metrics.csv")
     state = {"epoch": 0, "step": 0, "best": -1.0, "bad_epochs": 0, "partial": [0.0, 0.0, 0.0, 0.0]}
-    if resume:
+    if resume and started:
         ck = checkpoint.load(run_dir / "last.pt", name, net)  # on the CPU; load_state_dict moves it
         net.load_state_dict(ck["model"])
         kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
@@ -959,12 +984,12 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     if world.is_main:
         log_csv.load(state["epoch"])
         if not resume:
-            (run_dir / "config.json").write_text(json.dumps(
+            files.write_text(run_dir / "config.json", json.dumps(
                 {"model": name, "train": cfg.to_dict(), "speed": speed.to_dict(), "augment": asdict(augment),
                  "train_pack": pack_record(train_pk), "val_pack": None if val is None else pack_record(val_pk),
                  "world_size": world.size, "lr": lr, "user_batch_size": user_batch, "device": str(dev)},
                 indent=1))
-            (run_dir / "speed.json").write_text(json.dumps(
+            files.write_text(run_dir / "speed.json", json.dumps(
                 {"speed": speed.to_dict(), "tried": tune_table, "raced": raced, "machine": hardware.describe(dev),
                  "data_path": loader.describe()}, indent=1))
     say(f"training {name} on {train_pk.path} ({loader.samples} images, {steps_per_epoch} steps/epoch) on {dev} with "

@@ -1,0 +1,101 @@
+"""Files trainfast writes into places a user owns: one writer at a time, whole or not at all,
+never through a link.
+
+- `only_one(lock)`: a flock'ed lock file (opened with O_NOFOLLOW, so a link planted under its
+  name is not followed), held for a pack's build or a run; a second process is told at once.
+- `write_whole(path, write)`: into a new file of a random name beside `path` (O_EXCL: nothing
+  that is already there, a planted link included, is opened), then renamed over `path` — a link
+  at `path` is replaced, its target untouched; a reader never sees half a file; on any failure
+  (a full disk) the temporary file is removed.
+- `links(folder, names)`: which of those names in `folder` are symbolic links.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+from trainfast.errors import TrainfastError
+
+
+@contextlib.contextmanager
+def only_one(lock: Path, busy: str):
+    """Hold `lock` (a file, made if missing, removed at the end) or raise TrainfastError(busy)
+    at once if another process holds it. The lock's folder is made. A process that locked a
+    file its holder removed meanwhile tries again."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; two writers there are the user's to avoid
+        yield
+        return
+    lock = Path(lock)
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            raise TrainfastError(f"{lock.parent}: cannot write here ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TrainfastError(busy) from None
+        try:
+            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # its holder removed it as we opened it: take the new one
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def write_whole(path: Path, write) -> None:
+    """Call `write(f)` on a binary file that becomes `path` only once it is complete (see the
+    module's docstring). An OSError (a full disk, a read-only folder) becomes a TrainfastError
+    naming `path`, with nothing left behind and any earlier `path` kept."""
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise TrainfastError(f"{path}: cannot write ({e.strerror or e})") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
+            # torch.save reports a short write as RuntimeError ("... file write failed")
+            reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+            raise TrainfastError(f"{path}: cannot write ({reason}); nothing was replaced") from None
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    write_whole(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def stale_temporaries(folder: Path, names) -> list[Path]:
+    """The temporary files write_whole (and older trainfast, `.NAME.PID.tmp`) leaves when its
+    process is killed mid-write, for these names: regular files only."""
+    out = []
+    for name in names:
+        for p in Path(folder).glob(f".{name}.*.tmp"):
+            if p.is_file() and not p.is_symlink():
+                out.append(p)
+    return out
+
+
+def links(folder: Path, names) -> list[str]:
+    """The names in `folder` that are symbolic links (trainfast writes through none)."""
+    return [n for n in names if (Path(folder) / n).is_symlink()]

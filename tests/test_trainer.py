@@ -647,3 +647,46 @@ def test_a_full_disk_while_saving_keeps_the_last_checkpoint_and_says_so(tmp_path
         checkpoint.save(tmp_path / "last.pt", state)
     assert (tmp_path / "last.pt").read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("threads,says", [(100000, "threads must be at most this machine's"),
+                                          (-1, "threads must be a whole number ≥ 0, not -1"),
+                                          ("4", "threads must be a whole number ≥ 0, not '4'")])
+def test_config_json_threads_out_of_range_is_one_line(digits_packs, small_net_file, tmp_path, capsys, threads, says):
+    run = tmp_path / "run"
+    _run_small(digits_packs, small_net_file, run)
+    capsys.readouterr()
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["speed"]["threads"] = threads
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert main(["train", "--resume", str(run), "--model", f"{small_net_file}:small", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "config.json" in err
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda ck: ck.update(state={**ck["state"], "epoch": "x"}), "state epoch is 'x'"),
+    (lambda ck: ck.update(loader={**ck["loader"], "position": -5}), "loader position is -5"),
+    (lambda ck: ck.pop("optimizer"), "no 'optimizer'"),
+    (lambda ck: ck.update(loader={**ck["loader"], "position": 10 ** 6}), "position 1000000 is past this epoch's"),
+])
+def test_a_crafted_checkpoint_is_one_line(digits_packs, small_net_file, tmp_path, capsys, change, says):
+    from trainfast.train import checkpoint
+    run = tmp_path / "run"
+    _run_small(digits_packs, small_net_file, run)
+    capsys.readouterr()
+    ck = torch.load(run / "last.pt", weights_only=True)
+    change(ck)
+    checkpoint.save(run / "last.pt", {k: v for k, v in ck.items() if k not in ("format", "version")})
+    assert main(["train", "--resume", str(run), "--model", f"{small_net_file}:small", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "Traceback" not in err
+
+
+def test_an_empty_last_pt_is_one_line(digits_packs, small_net_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    _run_small(digits_packs, small_net_file, run)
+    (run / "last.pt").write_bytes(b"")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--model", f"{small_net_file}:small", "--device", "cpu"]) == 1
+    assert "last.pt: an empty file, not a checkpoint" in capsys.readouterr().err

@@ -1,12 +1,15 @@
 """Typed configs, one per component, with every default in one place.
 
-NOTE: imports nothing of ours; every room may import it. Each field's docstring is the one
+NOTE: imports nothing of ours but errors (which imports nothing); every room may import it. Each field's docstring is the one
 line that `--help` and the docs repeat.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
+
+from trainfast.errors import TrainfastError
 
 
 @dataclass
@@ -90,6 +93,15 @@ class Speed:
 
     def __post_init__(self):
         self.rewrites = tuple(self.rewrites)  # from JSON it arrives as a list
+        if self.precision not in PRECISIONS:
+            raise TrainfastError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
+        for name, least in (("batch_size", 1), ("threads", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise TrainfastError(f"{name} must be a whole number ≥ {least}, not {value!r}")
+        most = os.cpu_count() or 1
+        if self.threads > most:  # more would only start threads (100000 of them exhausted the machine's processes)
+            raise TrainfastError(f"threads must be at most this machine's {most} logical CPUs, not {self.threads}")
 
     def label(self) -> str:
         parts = [self.precision] + (["channels_last"] if self.channels_last else []) \

@@ -294,7 +294,14 @@ class Loader:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        epoch, position = state.get("epoch"), state.get("position")
+        for name, value in (("epoch", epoch), ("position", position)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise TrainfastError(f"Loader.load_state_dict: {name} must be a whole number ≥ 0, not {value!r}")
+        if position > len(self):
+            raise TrainfastError(f"Loader.load_state_dict: position {position} is past this epoch's {len(self)} "
+                                 f"batches (saved with another batch size or pack?)")
+        self.epoch, self.position = int(epoch), int(position)
         self._left = False  # the next `for` resumes at this position
 
     def set_epoch(self, epoch: int) -> None:

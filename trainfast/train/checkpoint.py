@@ -61,17 +61,37 @@ def save(path: Path, state: dict) -> None:
     files.write_whole(Path(path), lambda f: torch.save({"format": FORMAT, "version": VERSION, **state}, f))
 
 
+def _damage(state: dict) -> str:
+    """What is missing or wrong in a checkpoint's bookkeeping (what resuming reads), or ''."""
+    for key in ("model", "optimizer", "scheduler", "loader", "state", "rng"):
+        if not isinstance(state.get(key), dict):
+            return f"no {key!r}" if key not in state else f"{key!r} is {type(state[key]).__name__}"
+    for part, keys in (("loader", ("epoch", "position")), ("state", ("epoch", "step", "position"))):
+        for key in keys:
+            value = state[part].get(key, 0 if (part, key) == ("state", "position") else None)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return f"{part} {key} is {value!r}, not a whole number ≥ 0"
+    return ""
+
+
 def load(path: Path, model_name: str, model: torch.nn.Module) -> dict:
     """The checkpoint at `path`, every tensor on the CPU, checked to be `model_name`'s."""
     path = Path(path)
     if not path.is_file():
         raise TrainfastError(f"{path}: no checkpoint there to resume from")
+    if path.stat().st_size == 0:
+        raise TrainfastError(f"{path}: an empty file, not a checkpoint (a save that was cut off?)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read is the file's fault
-        raise TrainfastError(f"{path}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        reason = (str(e).splitlines() or [""])[0]
+        raise TrainfastError(f"{path}: not a readable checkpoint ({type(e).__name__}{': ' + reason if reason else ''})"
+                             ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise TrainfastError(f"{path}: not a trainfast checkpoint")
+    damage = _damage(state)
+    if damage:
+        raise TrainfastError(f"{path}: a damaged checkpoint ({damage}); resume from another copy, or start over")
     if state.get("model_name") != model_name or state.get("signature") != signature(model):
         theirs = state.get("model_name")
         diff = next((f"{a[0]} {a[1]} vs {b[0]} {b[1]}" for a, b in zip(state.get("signature", []), signature(model))

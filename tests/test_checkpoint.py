@@ -34,8 +34,11 @@ def test_a_run_saved_on_cuda_resumes_on_cpu_and_says_the_stream_differs():
 
 def test_checkpoint_tensors_load_on_the_cpu(tmp_path):
     net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
     checkpoint.save(tmp_path / "c.pt", {"model_name": "lin", "signature": checkpoint.signature(net),
-                                        "model": net.state_dict(), "rng": checkpoint.rng_state(torch.device("cpu"))})
+                                        "model": net.state_dict(), "rng": checkpoint.rng_state(torch.device("cpu")),
+                                        "optimizer": opt.state_dict(), "scheduler": {},
+                                        "loader": {"epoch": 0, "position": 0}, "state": {"epoch": 0, "step": 0}})
     ck = checkpoint.load(tmp_path / "c.pt", "lin", net)
     assert all(t.device.type == "cpu" for t in ck["model"].values())
     assert not list(tmp_path.glob(".*tmp"))  # written atomically: no temporary left

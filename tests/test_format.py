@@ -49,6 +49,9 @@ DAMAGE = {
     "no classes": ("raw", _meta("classes", None), "neither classes nor an alphabet"),
     "offsets out of order": ("jpeg", _array("offsets.npy", lambda a: a[[0, 2, 1, *range(3, len(a))]]), "not increasing"),
     "offsets past the bytes": ("jpeg", _array("offsets.npy", lambda a: a + 5), "not increasing"),
+    "labels.npy one short": ("raw", _array("labels.npy", lambda a: a[:-1]), "labels.npy holds 39 labels for 40 images"),
+    "2-D labels in a class pack": ("raw", _array("labels.npy", lambda a: np.stack([a, a], 1)),
+                                   r"labels.npy holds sequences \(40, 2\) but meta.json has no alphabet"),
 }
 
 
@@ -73,3 +76,34 @@ def test_a_damaged_pack_is_one_clear_line_everywhere(good, tmp_path, capsys, cas
 def test_the_packs_trainfast_writes_pass(good):
     for pk in good:
         assert len(trainfast.Pack(pk.path)) == 40
+
+
+def test_info_says_what_meta_and_skipped_json_do_not_record(good, tmp_path, capsys):
+    p = tmp_path / "p"
+    shutil.copytree(good[0].path, p)
+    _meta("source", KeyError)(p)
+    (p / "skipped.json").unlink()
+    assert main(["info", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "source: not recorded" in out and "skipped not known" in out
+
+
+def test_garbled_jpeg_bytes_are_one_line_naming_the_image(good, tmp_path):
+    """Bytes changed after the build pass the pack's checks (offsets still agree); the Loader
+    names the image it cannot decode instead of raising the decoder's own error."""
+    p = tmp_path / "p"
+    shutil.copytree(good[1].path, p)
+    jpeg, off = np.load(p / "jpeg.npy"), np.load(p / "offsets.npy")
+    jpeg[off[5] + 2: off[6] - 2] = 7
+    np.save(p / "jpeg.npy", jpeg)
+    loader = trainfast.Loader(p, batch_size=8, shuffle=False, device="cpu")
+    with pytest.raises(TrainfastError, match=r"image 5 in jpeg.npy cannot be decoded .* the pack is damaged"):
+        list(loader)
+
+
+def test_nan_images_are_refused_before_packing(tmp_path):
+    x = np.random.default_rng(0).random((10, 8, 8, 3)).astype(np.float32)
+    x[3, 0, 0, 0] = np.nan
+    with pytest.raises(TrainfastError, match=r"1 image holds NaN or infinite values \(first: image 3\)"):
+        trainfast.pack((x, np.arange(10) % 2), tmp_path / "p", progress=False)
+    assert not (tmp_path / "p").exists()

@@ -307,7 +307,14 @@ def _cmd_info(a) -> ExitStatus:
     pk = Pack(a.pack)
     print(pk)
     print(f"  mean {pk.mean}  std {pk.std}")
-    print(f"  source: {pk.meta['source']['kind']} {pk.meta['source']['path']}; skipped {len(pk.skipped)}")
+    source = pk.meta.get("source")
+    source = (f"{source.get('kind', '?')} {source.get('path', '?')}" if isinstance(source, dict)
+              else f"not recorded ({pk.path / 'meta.json'} has none)")
+    try:
+        skipped = str(len(pk.skipped))
+    except (OSError, ValueError, TypeError):
+        skipped = f"not known ({pk.path / 'skipped.json'} is missing or unreadable)"
+    print(f"  source: {source}; skipped {skipped}")
     return ExitStatus.OK
 
 

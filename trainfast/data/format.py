@@ -87,9 +87,11 @@ def _check_arrays(pk: "Pack") -> None:
     labels = pk.labels
     if labels.dtype.kind not in "iu" or labels.ndim not in (1, 2):
         raise _damaged(path, f"labels.npy is {labels.dtype} {labels.shape}, not integers (N,) or (N, L)")
-    limit = len(pk.alphabet) if labels.ndim == 2 else len(pk.classes or [])
     if labels.ndim == 2 and not pk.alphabet:
-        raise _damaged(path, f"labels.npy holds sequences but {META} has no alphabet")
+        raise _damaged(path, f"labels.npy holds sequences {labels.shape} but {META} has no alphabet (it has classes)")
+    if labels.ndim == 1 and not pk.classes:
+        raise _damaged(path, f"labels.npy holds one class per image but {META} has no classes (it has an alphabet)")
+    limit = len(pk.alphabet) if labels.ndim == 2 else len(pk.classes)
     if n and (labels.min() < 0 or labels.max() >= limit):
         raise _damaged(path, f"labels.npy holds labels from {labels.min()} to {labels.max()}; "
                              f"{'the alphabet' if labels.ndim == 2 else 'the classes'} allow 0 to {limit - 1}")
@@ -152,8 +154,11 @@ class Pack:
                 n = len(self.offsets) - 1
         except (OSError, ValueError) as e:
             raise TrainfastError(f"{self.path}: damaged pack ({e})") from None
-        if n != m["count"] or len(self.labels) != n:
-            raise TrainfastError(f"{self.path}: damaged pack (meta says {m['count']} images, arrays hold {n})")
+        if n != m["count"]:
+            raise TrainfastError(f"{self.path}: damaged pack (meta says {m['count']} images, "
+                                 f"{'images.npy' if self.encoding == 'raw' else 'offsets.npy'} holds {n})")
+        if len(self.labels) != n:
+            raise TrainfastError(f"{self.path}: damaged pack (labels.npy holds {len(self.labels)} labels for {n} images)")
         _check_arrays(self)
 
     def __len__(self) -> int:

@@ -437,7 +437,12 @@ class Loader:
             else:
                 jpeg, offsets = self.pack.jpeg, self.pack.offsets
                 for j, i in enumerate(idx):
-                    out[j] = decode_jpeg(memoryview(jpeg[offsets[i]: offsets[i + 1]]), c)
+                    try:
+                        out[j] = decode_jpeg(memoryview(jpeg[offsets[i]: offsets[i + 1]]), c)
+                    except (ValueError, OSError, RuntimeError) as e:  # bytes changed after the pack was built
+                        raise TrainfastError(f"{self.pack.path}: image {i} in jpeg.npy cannot be decoded ({e}); "
+                                             "the pack is damaged: build it again (trainfast pack ... --overwrite)"
+                                             ) from None
         labels = torch.from_numpy(self._labels[idx])
         return images, (labels.pin_memory() if self._pin else labels)
 

@@ -273,7 +273,13 @@ def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> S
     labels, classes, note = _class_labels(labels, classes, alphabet, name)
     notes += [note] if note else []
     if images.dtype.kind == "f":
-        top = float(np.nanmax(images))
+        finite = np.isfinite(images.reshape(len(images), -1)).all(axis=1)
+        if not finite.all():  # NaN would become 0 (black) silently when converted to uint8
+            bad = np.flatnonzero(~finite)
+            raise TrainfastError(f"{name}: {len(bad)} image{'s hold' if len(bad) > 1 else ' holds'} NaN or infinite "
+                                 f"values (first: image {bad[0]}); fix or drop {'them' if len(bad) > 1 else 'it'} "
+                                 "before packing")
+        top = float(np.max(images))
         if top > 1.0 + 1e-3:  # clipped to [0, 1], 0–255 floats would come out almost all white
             raise TrainfastError(f"{name}: float images must be in [0, 1], and these reach {top:.4g}; for 0–255 "
                                  "values pass them as uint8 (images.astype(np.uint8)) or divide by 255")

@@ -22,6 +22,18 @@ def test_every_mode_becomes_rgb_uint8(mode):
     assert out.shape == (16, 24, 3) and out.dtype == np.uint8
 
 
+def test_32bit_integer_grey_is_scaled_not_wrapped(tmp_path):
+    """A 32-bit integer TIFF: values past 16 bits map over the int32 range; they used to wrap
+    modulo 256 (a / 257, then uint8)."""
+    from PIL import Image
+
+    from trainfast.data.decode import decode_file
+    a = np.array([[0, 2 ** 30, 2 ** 31 - 1, 70000]] * 4, np.int32)
+    Image.fromarray(a, "I").save(tmp_path / "x.tif")
+    out = decode_file((tmp_path / "x.tif").read_bytes(), (4, 4), "stretch", 1)
+    assert out.shape[:2] == (4, 4) and list(out[0, :, 0]) == [0, 128, 255, 0]
+
+
 def test_16bit_grey_is_scaled_not_clipped():
     a = np.full((8, 8), 32768, np.uint16)  # half of the 16-bit range
     im = Image.fromarray(a)

@@ -35,8 +35,11 @@ def _to_8bit_mode(im: Image.Image, channels: int) -> Image.Image:
         a = np.asarray(im)
         if a.dtype.kind == "f":
             a = np.clip(a, 0.0, 1.0) * 255.0 if a.max(initial=0) <= 1.0 else np.clip(a, 0, 255)
-        else:  # 16-bit samples: scale the full range, don't clip at 255
-            a = a.astype(np.float32) / 257.0
+        else:  # integer samples: the full range of what they hold maps to 0–255, never wrapped
+            # NOTE: Pillow opens 16-bit PNGs as "I" too: "I" values within 16 bits are read as 16-bit
+            wide = im.mode == "I" and float(a.max(initial=0)) > 65535
+            scale = (2 ** 31 - 1) / 255.0 if wide else 257.0
+            a = np.clip(a.astype(np.float64) / scale, 0, 255)
         im = Image.fromarray(np.rint(a).astype(np.uint8), "L")
     if im.mode == "P" and "transparency" in im.info:
         im = im.convert("RGBA")

@@ -81,3 +81,17 @@ def test_a_set_knows_what_made_it(tmp_path):
     assert not is_current(out, 3, 6) and not is_current(out, 4, 5) and not is_current(tmp_path / "none", 3, 5)
     (out / "labels.csv").unlink()  # the CSV is the mark of a complete set
     assert not is_current(out, 3, 5)
+
+
+def test_make_plates_on_a_read_only_file_system_is_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+    from pathlib import Path
+
+    from trainfast.cli import main
+
+    def read_only(self, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert main(["make-plates", str(tmp_path / "p"), "--count", "10"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write the plates (Read-only file system)" in err

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageChops, ImageDraw, ImageFilter, ImageFont
 
+from trainfast import files
 from trainfast.errors import TrainfastError
 
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -214,9 +215,16 @@ def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progres
 
     out = Path(out)
     _check_out(out)
+    try:
+        return _make(out, count, seed, workers or usable_cores(), progress)
+    except OSError as e:  # a read-only or full file system: one line, whatever was written stays visible as such
+        raise TrainfastError(f"{e.filename or out}: cannot write the plates ({e.strerror or e}); labels.csv, written "
+                             "last, is not there, so nothing here looks complete") from None
+
+
+def _make(out: Path, count: int, seed: int, workers: int, progress: bool) -> Path:
     images_dir = out / "images"
     images_dir.mkdir(parents=True, exist_ok=True)
-    workers = workers or usable_cores()
     step = max(50, -(-count // (workers * 8)))
     ranges = [(seed, s, min(s + step, count), str(images_dir)) for s in range(0, count, step)]
     from tqdm.auto import tqdm
@@ -234,11 +242,10 @@ def make_plates(out, count: int = 1000, seed: int = 0, workers: int = 0, progres
                 texts += t
                 bar.update(r[2] - r[1])
     bar.close()
-    (out / "plates.json").write_text(json.dumps({"count": count, "seed": seed, "version": VERSION}) + "\n")
-    tmp = out / "labels.csv.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["path", "plate", "font"])
-        w.writerows((f"images/{i:06d}.jpg", t, font) for i, (t, font) in enumerate(texts))
-    os.replace(tmp, out / "labels.csv")
+    files.write_text(out / "plates.json", json.dumps({"count": count, "seed": seed, "version": VERSION}) + "\n")
+    rows = io.StringIO(newline="")
+    w = csv.writer(rows)
+    w.writerow(["path", "plate", "font"])
+    w.writerows((f"images/{i:06d}.jpg", t, font) for i, (t, font) in enumerate(texts))
+    files.write_text(out / "labels.csv", rows.getvalue())
     return out

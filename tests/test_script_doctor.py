@@ -418,3 +418,82 @@ def test_image_dataset_from_directory_on_tensorflow_gets_the_folder_recipe(tmp_p
     if r["data_share"] >= MODERATELY_INPUT_BOUND:  # 14% here: a 5-image step of a tiny model is 2.5 ms
         assert recipe and recipe[0]["action"].startswith(f"trainfast pack {image_folder} photos.pack --size 64x64")
         assert "image_dataset_from_directory" in recipe[0]["action"] and "Rescaling" in recipe[0]["action"]
+
+
+STUBBORN = '''
+import time, torch
+net = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+x, y = torch.rand(64, 4), torch.randint(0, 2, (64,))
+while True:
+    try:
+        for i in range(0, 64, 8):
+            torch.nn.functional.cross_entropy(net(x[i:i + 8]), y[i:i + 8]).backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.01)
+    except:  # noqa: E722 - the user's bare except swallows the doctor's stop
+        pass
+'''
+
+
+def test_a_script_that_swallows_the_stop_still_ends_with_a_report(tmp_path):
+    """The time limit holds from outside the script: a watchdog reports what was measured and ends
+    the process when the script ignores the stop (a bare except)."""
+    import subprocess
+    import sys
+    import time
+    script = _script(tmp_path, STUBBORN)
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "trainfast", "doctor", "--steps", "5", "--seconds", "1", "--", "python",
+                        str(script)], capture_output=True, text=True, timeout=120)
+    assert time.perf_counter() - t < 60
+    assert p.returncode == 1 and p.stdout.count("VERDICT") == 1, p.stderr[-2000:]
+    assert "the script ignored the doctor's stop" in p.stdout and "the doctor ended it" in p.stdout
+
+
+EXITER = '''
+import os, torch
+net = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+x, y = torch.rand(64, 4), torch.randint(0, 2, (64,))
+print("the script's own output")
+for i in range(0, 64, 8):
+    torch.nn.functional.cross_entropy(net(x[i:i + 8]), y[i:i + 8]).backward()
+    opt.step()
+    opt.zero_grad()
+if os.fork() == 0:
+    print("a child")
+else:
+    os.wait()
+os.chdir(os.path.dirname(os.getcwd()))
+os._exit(0)
+'''
+
+
+def test_os_exit_forks_chdir_and_json_on_stdout_give_one_clean_report(tmp_path):
+    """os._exit in the script ends the run, not the doctor; a forked child gives no second report;
+    the script's prints go to stderr when the JSON report goes to stdout; --html lands where the
+    command line meant though the script changed directory."""
+    import subprocess
+    import sys
+    work = tmp_path / "work"
+    work.mkdir()
+    script = _script(tmp_path, EXITER)
+    p = subprocess.run([sys.executable, "-m", "trainfast", "doctor", "--steps", "50", "--json", "-", "--html",
+                        "rel.html", "--", "python", str(script)], capture_output=True, text=True, timeout=120, cwd=work)
+    report = json.loads(p.stdout)  # nothing but the report on stdout
+    assert report["stopped"] == "the script called os._exit(0)" and len(report["steps"]) == 8
+    assert "the script's own output" in p.stderr and "a child" in p.stderr
+    assert (work / "rel.html").is_file() and not (tmp_path / "rel.html").exists()
+
+
+def test_data_that_yields_no_batch_is_one_line(tmp_path, capsys):
+    csv = tmp_path / "missing.csv"
+    csv.write_text("path,label\nnope1.jpg,a\nnope2.jpg,b\n")
+    assert main(["doctor", "--model", "cifar_cnn", "--data", str(csv), "--device", "cpu"]) == 1
+    assert "2 images, fewer than one batch of 64; give --batch-size 2 or fewer" in capsys.readouterr().err
+    assert main(["doctor", "--model", "cifar_cnn", "--data", str(csv), "--batch-size", "2", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the doctor's progress lines
+    assert "Traceback" not in err and "no file of batch 0 could be read (first: " in last and "nope1.jpg" in last

@@ -319,8 +319,6 @@ def _cmd_info(a) -> ExitStatus:
 
 
 def _cmd_doctor(a) -> ExitStatus:
-    import json
-
     from trainfast.config import Speed
     from trainfast.diagnose import doctor
 
@@ -329,7 +327,14 @@ def _cmd_doctor(a) -> ExitStatus:
         from trainfast.diagnose.script import doctor_script
         if a.model or a.data:
             raise TrainfastError("give either --model and --data, or a script after --, not both")
-        report = doctor_script(a.script, steps=a.steps or 50, seconds=a.seconds, fixes=not a.no_fixes, log=log)
+        for name in ("json", "html"):  # where the command line meant: the script may change directory
+            if getattr(a, name) not in (None, "-"):
+                setattr(a, name, os.path.abspath(getattr(a, name)))
+
+        def overrun(report):  # the script ignored the stop: what was measured (then the process ends)
+            _doctor_output(a, report, log)
+        report = doctor_script(a.script, steps=a.steps or 50, seconds=a.seconds, fixes=not a.no_fixes, log=log,
+                               quiet_stdout=a.json == "-", on_overrun=overrun)
         if report.error:
             print(report.error, file=sys.stderr, end="" if report.error.endswith("\n") else "\n")
     elif not (a.model and a.data):
@@ -339,6 +344,18 @@ def _cmd_doctor(a) -> ExitStatus:
         report = doctor(a.model, a.data, batch_size=a.batch_size, steps=a.steps or 20, device=a.device,
                         speed=Speed(precision=a.precision, channels_last=a.channels_last),
                         try_fixes=not a.no_fixes, remeasure=a.remeasure, source_options=_csv_values(a), log=log)
+    _doctor_output(a, report, log)
+    if a.script is not None:
+        a.cut_short = not report.stopped.startswith("the script finished")
+        if report.error or not report.steps:
+            return ExitStatus.ERROR  # the script failed, or never trained: nothing was diagnosed in full
+    return ExitStatus.OK
+
+
+def _doctor_output(a, report, log) -> None:
+    """The report as the command line asked: text or JSON on stdout, and the files."""
+    import json
+
     if a.json == "-":
         print(json.dumps(report.to_dict(), indent=1))
     else:
@@ -348,11 +365,6 @@ def _cmd_doctor(a) -> ExitStatus:
     if a.html:
         _write(a.html, report.html())
         log(f"HTML report: {a.html}")
-    if a.script is not None:
-        a.cut_short = not report.stopped.startswith("the script finished")
-        if report.error or not report.steps:
-            return ExitStatus.ERROR  # the script failed, or never trained: nothing was diagnosed in full
-    return ExitStatus.OK
 
 
 def _write(path: str, text: str) -> None:

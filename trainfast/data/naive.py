@@ -14,6 +14,7 @@ from PIL import Image
 
 from trainfast.data.decode import DecodeError
 from trainfast.data.sources import Source
+from trainfast.errors import TrainfastError
 
 
 class PerImageBatches:
@@ -40,7 +41,7 @@ class PerImageBatches:
     def __getitem__(self, k: int):
         if not 0 <= k < len(self):
             raise IndexError(k)
-        images, labels = [], []
+        images, labels, failed = [], [], None
         for i in self.order[k * self.batch_size: (k + 1) * self.batch_size]:
             try:
                 if self.reader == "skimage":
@@ -48,10 +49,13 @@ class PerImageBatches:
                 else:
                     with open(self.source.files[i], "rb") as f:
                         img = torch.from_numpy(_decode_full(f.read(), self.size)).float().div(255)
-            except (OSError, ValueError, DecodeError):
+            except (OSError, ValueError, DecodeError) as e:
+                failed = failed or f"{self.source.files[i]}: {getattr(e, 'strerror', None) or e}"
                 continue
             images.append(img.permute(2, 0, 1))
             labels.append(torch.as_tensor(self.source.labels[i]))
+        if not images:  # a CSV of files that are not there: say so (torch.stack's own error named nothing)
+            raise TrainfastError(f"{self.source.origin}: no file of batch {k} could be read (first: {failed})")
         return torch.stack(images), torch.stack(labels)
 
     def __iter__(self):

@@ -126,6 +126,9 @@ def _resolve_data(data, model, batch_size: int, device, seed: int, source_option
         shape = getattr(model, "input_shape", None)
         if shape is None:
             raise TrainfastError("a model without .input_shape needs a pack or an iterable of batches, not raw files")
+        if len(data) < batch_size:
+            raise TrainfastError(f"{data.origin}: {len(data)} images, fewer than one batch of {batch_size}; give "
+                                 f"--batch-size {max(len(data), 1)} or fewer")
         return (PerImageBatches(data, shape[1:], batch_size, seed=seed),
                 f"{data.kind} {data.origin} ({len(data)} files, decoded per image per batch)", data, None)
     if isinstance(data, Pack):

@@ -104,6 +104,8 @@ class _Probe:
         """One training step ended (an optimizer step, a Keras batch)."""
         self.sync()
         now = time.perf_counter()
+        if len(self.steps) >= self.max_steps:  # a script that caught the stop trains on: measured enough
+            raise StopScript("stopped after the requested steps")
         self.cur.seconds, self.cur.batch_size = now - self.last, batch_size or self.cur.batch_size
         self.steps.append(self.cur)
         self.cur, self.last = Step(0.0), now

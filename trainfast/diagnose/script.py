@@ -51,6 +51,7 @@ from trainfast.errors import TrainfastError
 
 SCHEMA_VERSION = 1
 KERAS_TUNE_S = 30.0  # the script doctor's budget for timing Keras's own settings
+OVERRUN_S = 10.0  # how long past its time limit a script that ignores the stop may run before the watchdog ends it
 
 
 @dataclass
@@ -163,12 +164,20 @@ def _script_traceback(exc: BaseException) -> str:
 
 
 def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0, warmup: int = WARMUP,
-                  fixes: bool = True, log=print) -> ScriptReport:
+                  fixes: bool = True, log=print, quiet_stdout: bool = False, on_overrun=None) -> ScriptReport:
     """Run `command` (python SCRIPT args / python -m MODULE args) here, instrumented, and report.
 
     With fixes (the default) the report's fixes are measured after the script stopped: its images
     packed (a sample) and fed to its own model, and, for Keras, Keras's own speed settings timed
-    on a copy of its model (`trainfast.keras.tune`, up to KERAS_TUNE_S seconds)."""
+    on a copy of its model (`trainfast.keras.tune`, up to KERAS_TUNE_S seconds).
+
+    quiet_stdout sends what the script prints to standard output to standard error instead (the
+    report goes to standard output, as JSON). on_overrun(report) is called from a watchdog thread
+    with what was measured when the script has not stopped OVERRUN_S after the time limit (it
+    ignored the stop: a bare `except:`, SIGALRM caught), then the process exits (status 1): with
+    on_overrun the time limit holds whatever the script catches.
+    Whatever the script does, one report comes out: os._exit in the script stops it like the end
+    of a step, and a process the script forks never reports."""
     if steps < 1:
         raise TrainfastError(f"--steps must be ≥ 1, not {steps}")
     if seconds <= 0:
@@ -198,6 +207,42 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
         f"or {seconds:.0f} s")
     sys.argv = argv
     sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
+    pid, real_exit = os.getpid(), os._exit
+
+    def script_exit(code=0):  # the script's os._exit: the end of the run, reported, not of this process
+        if os.getpid() != pid:
+            real_exit(code)  # a forked child (multiprocessing ends its workers so)
+        raise StopScript(f"the script called os._exit({code})")
+    os._exit = script_exit
+    undo.append(lambda: setattr(os, "_exit", real_exit))
+    saved_stdout = None
+    if quiet_stdout:
+        sys.stdout.flush()
+        saved_stdout = os.dup(1)
+        os.dup2(2, 1)
+
+    def give_stdout_back():
+        nonlocal saved_stdout
+        if saved_stdout is not None:
+            sys.stdout.flush()
+            os.dup2(saved_stdout, 1)
+            os.close(saved_stdout)
+            saved_stdout = None
+    watchdog = None
+    if on_overrun is not None:
+        def overrun():
+            give_stdout_back()
+            try:
+                on_overrun(_report(command, probe, f"the script ignored the doctor's stop for {OVERRUN_S:.0f} s "
+                                                   f"past the {seconds:.0f} s limit; the doctor ended it", "",
+                                   fixes=False))
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                real_exit(1)  # the script holds the main thread: nothing else would end this process
+        watchdog = threading.Timer(seconds + 1.0 + OVERRUN_S, overrun)
+        watchdog.daemon = True
+        watchdog.start()
     sampler.start()
     load = hardware.OtherLoad().__enter__()
     try:
@@ -216,6 +261,11 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
     except BaseException as e:  # noqa: BLE001 - the script's failure is reported as its own
         stopped, error = f"the script failed: {type(e).__name__}: {e}", _script_traceback(e)
     finally:
+        if os.getpid() != pid:  # a child the script forked came back here: it has no report to give
+            real_exit(0)
+        if watchdog is not None:
+            watchdog.cancel()
+        give_stdout_back()
         load.__exit__(None, None, None)
         if old_alarm is not None:
             signal.setitimer(signal.ITIMER_REAL, 0)

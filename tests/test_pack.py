@@ -441,3 +441,22 @@ def test_a_class_folder_name_that_is_not_utf8_packs(tmp_path):
     os.rename(root / "cat", os.path.join(os.fsencode(root), b"caf\xe9"))  # Latin-1 bytes, not UTF-8
     pk = trainfast.pack(root, tmp_path / "out", size=(16, 16), progress=False)
     assert len(pk) == 4 and pk.classes == [os.fsdecode(b"caf\xe9"), "dog"]
+
+
+def test_a_script_without_a_main_guard_under_spawn_is_told_why(image_folder, tmp_path):
+    """macOS and Windows start pack's workers with 'spawn', which runs the user's script again in
+    each: without `if __name__ == "__main__":` it would call pack again there. Both the workers
+    and the parent say what to do (TRAINFAST_START_METHOD=spawn does here what those platforms do)."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "noguard.py"
+    script.write_text(f"import trainfast\ntrainfast.pack({str(image_folder)!r}, 'out.pack', size=(16, 16), workers=2, "
+                      "chunk=4, progress=False)\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "TRAINFAST_START_METHOD": "spawn"})
+    assert p.returncode == 1
+    assert "trainfast.pack was called while a worker process started" in p.stderr  # a worker's own line
+    assert p.stderr.strip().splitlines()[-1].startswith("trainfast.errors.TrainfastError: a pack worker process died "
+                                                        "(with the 'spawn' start method")
+    assert 'put that under `if __name__ == "__main__":`' in p.stderr

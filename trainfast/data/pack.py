@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
 from multiprocessing import get_context
 from pathlib import Path
@@ -58,6 +59,7 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
     Example:
         trainfast.pack("photos/", "photos.pack", size=(64, 128), resize="crop")
     """
+    _not_while_a_worker_starts("trainfast.pack")
     source_options = {k: options.pop(k) for k in ("path_column", "label_column", "label_kind", "alphabet", "split")
                       if k in options}
     log = log or (print if progress else (lambda msg: None))
@@ -308,17 +310,25 @@ def _run_chunks(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: P
             for task in tasks:
                 _after_chunk(_build_chunk(task), cfg, bar)
             return
-        with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=_mp_context(),
-                                 initializer=_worker_start, initargs=(os.getpid(),)) as pool:
-            pending = set()
-            for task in tasks:  # keep a bounded number in flight: array chunks carry their pixels
-                pending.add(pool.submit(_build_chunk, task))
-                if len(pending) >= 2 * cfg.workers:
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        _after_chunk(f.result(), cfg, bar, pool)
-            for f in pending:
-                _after_chunk(f.result(), cfg, bar, pool)
+        context = _mp_context()
+        try:
+            with ProcessPoolExecutor(max_workers=min(cfg.workers, len(todo)), mp_context=context,
+                                     initializer=_worker_start, initargs=(os.getpid(),)) as pool:
+                pending = set()
+                for task in tasks:  # keep a bounded number in flight: array chunks carry their pixels
+                    pending.add(pool.submit(_build_chunk, task))
+                    if len(pending) >= 2 * cfg.workers:
+                        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                        for f in done:
+                            _after_chunk(f.result(), cfg, bar, pool)
+                for f in pending:
+                    _after_chunk(f.result(), cfg, bar, pool)
+        except BrokenProcessPool:
+            why = ("with the 'spawn' start method (macOS, Windows) each worker imports your script again: if it "
+                   "calls trainfast at its top level, put that under `if __name__ == \"__main__\":`"
+                   if context.get_start_method() == "spawn" else "out of memory, or killed")
+            raise TrainfastError(f"a pack worker process died ({why}); the chunks already packed are kept: "
+                                 "rerun the same command to go on") from None
     finally:
         bar.close()
 
@@ -346,14 +356,26 @@ def _worker_start(parent: int) -> None:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def _not_while_a_worker_starts(what: str) -> None:
+    """A process that 'spawn' started runs the parent's script again as it starts (`__mp_main__`);
+    a script without an `if __name__ == "__main__":` guard would call trainfast again there (and
+    meet its own parent's pack lock). Said in one line, in the worker, where it happens."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise TrainfastError(f"{what} was called while a worker process started (the 'spawn' start method, as on "
+                             "macOS and Windows, imports your script again in each worker): put the code that calls "
+                             "trainfast under `if __name__ == \"__main__\":`")
+
+
 def _mp_context():
-    """fork on Linux, spawn elsewhere.
+    """fork on Linux, spawn elsewhere (TRAINFAST_START_METHOD=spawn tries the other platforms' way here).
 
     NOTE: spawn re-imports the caller's __main__ in every worker, which re-runs a user's
     script that lacks an `if __name__ == "__main__"` guard. Our workers use only numpy and
     Pillow, so fork is safe for them where it exists.
     """
-    return get_context("fork" if sys.platform == "linux" else "spawn")
+    return get_context(os.environ.get("TRAINFAST_START_METHOD") or ("fork" if sys.platform == "linux" else "spawn"))
 
 
 def _after_chunk(result: dict, cfg: PackConfig, bar, pool=None) -> None:

@@ -80,3 +80,108 @@ def test_without_torchrun_error_files_rank_0_says_it(monkeypatch, tmp_path, caps
         monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
         assert main(["train", str(tmp_path / "missing.pack"), "--model", "cifar_cnn", "--device", "cpu"]) == 1
         assert ("missing.pack" in capsys.readouterr().err) == (rank == 0)
+
+
+STOPPABLE = '''
+import os
+import signal
+
+import torch.nn as nn
+
+
+def small():
+    """SMALL_NET's network; with TEST_STOP_AT=k it sends itself (TEST_STOP_WHO=self) or its
+    parent, torchrun (=parent), SIGINT/SIGTERM at its k-th training step: an interruption at a
+    known step, on every rank alike."""
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                        nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+    net.input_shape, net.output_shape = (3, 32, 32), (10,)
+    at, who, seen = int(os.environ.get("TEST_STOP_AT", "0")), os.environ.get("TEST_STOP_WHO", "self"), [0]
+
+    def hook(module, args):
+        if module.training and args[0].shape[0] > 2:
+            seen[0] += 1
+            if seen[0] == at:
+                if who == "parent":
+                    if int(os.environ.get("RANK", "0")) == 0:
+                        os.kill(os.getppid(), signal.SIGTERM)  # a scheduler's preemption of torchrun
+                else:
+                    os.kill(os.getpid(), signal.SIGINT)
+    net.register_forward_pre_hook(hook)
+    return net
+'''
+
+COMMON = ["--optimizer", "sgd", "--lr", "0.005", "--precision", "fp32", "--device", "cpu", "-q"]
+
+
+def _trainfast(args, nproc=1, env=None, timeout=300):
+    import os
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
+    return subprocess.run([*launch, "-m", "trainfast", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def stoppable(digits_packs, tmp_path_factory):
+    """The model file, and the reference: one uninterrupted process with batch 32, 2 epochs."""
+    tmp = tmp_path_factory.mktemp("elastic")
+    model = tmp / "stoppable.py"
+    model.write_text(STOPPABLE)
+    train, _ = digits_packs
+    ref = tmp / "ref"
+    p = _trainfast(["train", str(train.path), "--model", f"{model}:small", "--epochs", "2", "--no-tune",
+                    "--batch-size", "32", "--threads", "1", "--run-dir", str(ref), *COMMON])
+    assert p.returncode == 0, p.stderr[-2000:]
+    return model, train, _losses(ref)
+
+
+def _close(a, b):
+    return len(a) == len(b) and all(abs(x - y) <= 1e-3 * max(1.0, abs(x)) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_a_run_interrupted_mid_epoch_resumes_on_more_processes(stoppable, tmp_path):
+    """Saved by 1 process at step 20 of epoch 1, resumed by 2 (batch 16 each): the same global
+    batches in the same order, so the same loss curve as the uninterrupted run."""
+    model, train, ref = stoppable
+    run = tmp_path / "run"
+    p = _trainfast(["train", str(train.path), "--model", f"{model}:small", "--epochs", "2", "--no-tune",
+                    "--batch-size", "32", "--threads", "1", "--run-dir", str(run), *COMMON], env={"TEST_STOP_AT": "20"})
+    assert p.returncode == 130 and "interrupted; saved" in p.stderr, p.stderr[-2000:]
+    p = _trainfast(["train", "--resume", str(run), "--model", f"{model}:small", "--device", "cpu", "-q"], nproc=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming a run of 1 process with 2: batch 16 per process keeps the global batch of 32" in p.stderr
+    assert "at epoch 1, batch 20 of" in p.stderr
+    assert _close(ref, _losses(run)), (ref, _losses(run))
+
+
+@pytest.mark.slow
+def test_every_rank_stops_at_the_same_step_and_fewer_processes_resume(stoppable, tmp_path):
+    """SIGTERM to torchrun (a scheduler's preemption) reaches every rank: they agree on a step,
+    rank 0 saves, all exit; the run then resumes on 1 process (batch 32) where it stopped."""
+    model, train, ref = stoppable
+    run = tmp_path / "run"
+    p = _trainfast(["train", str(train.path), "--model", f"{model}:small", "--epochs", "2", "--no-tune",
+                    "--batch-size", "16", "--threads", "1", "--run-dir", str(run), *COMMON], nproc=2,
+                   env={"TEST_STOP_AT": "12", "TEST_STOP_WHO": "parent"})
+    assert p.returncode != 0 and "interrupted; saved" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr.split("interrupted; saved")[0]
+    import torch
+    position = torch.load(run / "last.pt", weights_only=True)["state"]["position"]
+    assert 12 <= position <= 14  # the step the ranks agreed on, a step or two after the signal
+    p = _trainfast(["train", "--resume", str(run), "--model", f"{model}:small", "--device", "cpu", "-q"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming a run of 2 processes with 1: batch 32 per process keeps the global batch of 32" in p.stderr
+    assert _close(ref, _losses(run)), (ref, _losses(run))
+
+
+def test_a_global_batch_that_does_not_split_is_one_line():
+    from trainfast.config import Speed
+    from trainfast.train.trainer import _elastic
+    world = distributed.World(rank=0, size=3)
+    with pytest.raises(TrainfastError, match=r"global batch of 32, which 3 processes cannot split evenly; resume "
+                                             r"with a number of processes that divides it \(1, 2, 4, 8, 16, 32\)"):
+        _elastic(Speed(batch_size=16), 2, world, print)
+    assert _elastic(Speed(batch_size=16), 2, distributed.World(size=4), lambda m: None).batch_size == 8

@@ -9,6 +9,9 @@ Without torchrun it is a world of one and nothing here does anything.
 from __future__ import annotations
 
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +50,22 @@ def setup(device: torch.device) -> World:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    _stop_when_orphaned()
     return World(rank, size, local, device)
+
+
+def _stop_when_orphaned() -> None:
+    """When torchrun dies without passing a signal on (SIGKILL of its process group leaves its
+    workers, which have their own, training on as orphans), this process sends itself SIGTERM:
+    the ranks agree to stop after a step, rank 0 saves, all exit. Looks once a second."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="trainfast-torchrun-watch", daemon=True).start()
 
 
 def wrap(model: torch.nn.Module, world: World) -> torch.nn.Module:

@@ -184,17 +184,24 @@ class _Interrupts:
 
     Inside `step()` a first signal is held until the step ends; a second one raises at once
     (and `torn` tells the caller not to save). Anywhere else, e.g. during validation, they
-    raise KeyboardInterrupt at once. Only the main thread of the main process can take signals.
+    raise KeyboardInterrupt at once. Only the main thread of a process can take signals.
+
+    Under torchrun every rank takes them (torchrun passes a SIGTERM on to all; rank 1 used to
+    die at once and leave rank 0 in a broken collective): a first signal is always held, and the
+    ranks agree after a step (every `agree_every` steps: an all-reduce of the flag) to stop at
+    the same one, so that rank 0 saves one consistent checkpoint and all of them exit.
     """
 
-    def __init__(self, active: bool):
+    def __init__(self, active: bool, world=None, agree_every: int = 1):
         self.active = active and threading.current_thread() is threading.main_thread()
+        self.world = world if world is not None and world.distributed else None
+        self.agree_every, self.steps = agree_every, 0
         self.holding = self.pending = self.torn = False
         self.previous = {}
 
     def _handler(self, signum, frame):
-        if self.holding and not self.pending:
-            self.pending = True
+        if (self.holding or self.world is not None) and not self.pending:
+            self.pending = True  # distributed: held wherever it lands, until the ranks agree
             return
         self.torn = self.holding
         raise KeyboardInterrupt
@@ -216,6 +223,11 @@ class _Interrupts:
             yield
         finally:
             self.holding = False
+        self.steps += 1
+        if self.world is not None and self.steps % self.agree_every == 0:
+            self.pending = distributed.sum_all([float(self.pending)], self.world)[0] > 0  # one rank's signal stops all
+        elif self.world is not None:
+            return
         if self.pending:
             raise KeyboardInterrupt
 
@@ -478,11 +490,14 @@ class _Run:
 
     def save(self, epoch: int, which=("last.pt",)) -> None:
         self.check(epoch)  # never a checkpoint of weights that went NaN
+        # the epoch's sums so far over all ranks: a resumed run (with any number of processes) starts
+        # rank 0 from them and the others from zero
+        partial = distributed.sum_all(self.watch.partial, self.world)
         if not self.world.is_main:
             return
         # NOTE: the loader's own position counts batches it handed out; the checkpoint records
         # the batches whose step is done, kept in `state` with the step count and the epoch.
-        state = self.state
+        state = {**self.state, "partial": partial}
         ck = {"model_name": self.name, "signature": checkpoint.signature(self.net), "model": self.net.state_dict(),
               "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
               "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -861,6 +876,24 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
             torch.set_num_threads(threads)
 
 
+def _elastic(speed: Speed, saved_world: int, world, say) -> Speed:
+    """A run saved by N processes resumes with M: the same global batch, split M ways. The k-th
+    global batch holds the same images for any number of processes (rank r takes every M-th of
+    the epoch's order), and the steps per epoch are the same, so the run goes on at the same
+    step with the same data, the interrupted epoch's rest neither repeated nor skipped."""
+    if world.size == saved_world:
+        return speed
+    total = speed.batch_size * saved_world
+    if total % world.size:
+        fits = ", ".join(str(m) for m in range(1, min(total, 64) + 1) if total % m == 0)
+        raise TrainfastError(f"this run trained with {saved_world} process{'es' * (saved_world > 1)} and a global "
+                             f"batch of {total}, which {world.size} processes cannot split evenly; resume with a "
+                             f"number of processes that divides it ({fits})")
+    say(f"resuming a run of {saved_world} process{'es' * (saved_world > 1)} with {world.size}: batch "
+        f"{total // world.size} per process keeps the global batch of {total}")
+    return replace(speed, batch_size=total // world.size)
+
+
 def _working_copy(net: torch.nn.Module) -> torch.nn.Module:
     """A copy of `net`'s module tree that holds `net`'s own parameter and buffer tensors:
     training it trains `net` (optimizers and batch-norm update those tensors in place), while
@@ -918,7 +951,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         _same_pack(train_pk, saved["train_pack"], "training")
         if val_pk is not None:
             _same_pack(val_pk, saved.get("val_pack"), "validation")
-        speed = _runnable(Speed(**saved["speed"]), dev, say)
+        speed = _elastic(_runnable(Speed(**saved["speed"]), dev, say), int(saved.get("world_size", 1)), world, say)
         augment = Augment(**saved["augment"])
         pin = {"batch_size": saved["user_batch_size"]}
     pin = dict(pin or {})
@@ -997,10 +1030,11 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
 
     state.setdefault("position", loader.position)  # checkpoints from before it was kept in state
     run = _Run(name, net, trained, opt, sched, scaler, loader, val_loader, cfg, speed, dev, world, run_dir, say,
-               state, _Watch(dev, state["partial"], every=READ_EVERY.get(dev.type, READ_EVERY["cuda"])), log_csv,
+               state, _Watch(dev, state["partial"] if world.is_main else [0.0] * 4,
+                             every=READ_EVERY.get(dev.type, READ_EVERY["cuda"])), log_csv,
                train_pk.sequence_length is not None, (len(log_csv.rows), time.perf_counter()))
     stopped, epoch = "finished", state["epoch"]
-    interrupts = _Interrupts(world.is_main)
+    interrupts = _Interrupts(True, world, agree_every=1 if dev.type == "cpu" else READ_EVERY["cuda"])
     warned = False  # the loss watch's warning for a run that is stuck but not hopeless: once
     deadline = _now() + 60 * cfg.minutes if cfg.minutes else None
     check_rate = tuned is not None and world.is_main  # the run's rate against tune's, once

@@ -106,6 +106,9 @@ def small():
                 if who == "parent":
                     if int(os.environ.get("RANK", "0")) == 0:
                         os.kill(os.getppid(), signal.SIGTERM)  # a scheduler's preemption of torchrun
+                elif who == "rank1-dies":
+                    if int(os.environ.get("RANK", "0")) == 1:
+                        os.kill(os.getpid(), signal.SIGKILL)  # a node lost: no handler, no save
                 else:
                     os.kill(os.getpid(), signal.SIGINT)
     net.register_forward_pre_hook(hook)
@@ -185,3 +188,50 @@ def test_a_global_batch_that_does_not_split_is_one_line():
                                              r"with a number of processes that divides it \(1, 2, 4, 8, 16, 32\)"):
         _elastic(Speed(batch_size=16), 2, world, print)
     assert _elastic(Speed(batch_size=16), 2, distributed.World(size=4), lambda m: None).batch_size == 8
+
+
+def _two_nodes(args, port, env=None, timeout=180):
+    """Two torchrun commands on this machine as two "nodes" (c10d rendezvous on 127.0.0.1, one
+    process each, gloo): (returncode, stderr) of each, and the seconds until both ended."""
+    import os
+    import time
+    started = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                               "--rdzv_id", f"test{port}", "-m", "trainfast", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **(env or {})}) for r in (0, 1)]
+    out = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, o[1]) for p, o in zip(procs, out)], time.perf_counter() - started
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_as_one_process(stoppable, tmp_path):
+    """torchrun across machines, tried on one: two "nodes" of one process each, batch 16, give the
+    loss curve of one process with batch 32, into one run directory (rank 0's); when one node's
+    process dies, the other stops within seconds and says so in one line, no hang."""
+    model, train, ref = stoppable
+    run = tmp_path / "run"
+    args = ["train", str(train.path), "--model", f"{model}:small", "--epochs", "2", "--no-tune", "--batch-size", "16",
+            "--threads", "1", "--run-dir", str(run), *COMMON]
+    results, _ = _two_nodes(args, _free_port())
+    assert all(rc == 0 for rc, _ in results), [err[-2000:] for _, err in results]
+    assert sum("training " in err for _, err in results) == 1  # rank 0 speaks, wherever c10d put it
+    assert _close(ref, _losses(run)), (ref, _losses(run))
+
+    lost = tmp_path / "lost"
+    args[args.index("--run-dir") + 1] = str(lost)
+    args[args.index("--epochs") + 1] = "30"
+    results, seconds = _two_nodes(args, _free_port(), env={"TEST_STOP_AT": "30", "TEST_STOP_WHO": "rank1-dies"})
+    assert seconds < 120 and all(rc != 0 for rc, _ in results)
+    said = [err for _, err in results if "another process of this run stopped" in err]
+    assert len(said) == 1 and f"resume with torchrun … -m trainfast train --resume {lost}" in said[0]
+    line = next(l for l in said[0].splitlines() if "another process of this run stopped" in l)
+    assert line.startswith("trainfast train: error: ") and "Traceback" not in said[0].split(line)[0][-300:]

@@ -84,6 +84,20 @@ def sum_all(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+         "Socket Timeout", "Connection refused")
+
+
+def peer_lost(e: BaseException) -> str:
+    """The reason, when `e` is a collective failing because another process of the run is gone
+    (gloo's 'Connection closed by peer', NCCL's abort), else ''."""
+    text = str(e)
+    found = next((m for m in _LOST if m in text), "")
+    if not found and type(e).__name__ != "DistBackendError":
+        return ""
+    return f"{type(e).__name__}: {found or text.splitlines()[0][:120]}"
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()

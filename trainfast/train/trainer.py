@@ -267,7 +267,9 @@ def read_run_config(run_dir) -> dict:
     name, and a model from a file is the caller's to name again."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
-        raise TrainfastError(f"{run_dir}: not a run directory to resume (no config.json)")
+        shared = (" — under torchrun every node reads the run directory (config.json, last.pt): put it on a file "
+                  "system all nodes share, or copy it to each") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        raise TrainfastError(f"{run_dir}: not a run directory to resume (no config.json){shared}")
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -1035,6 +1037,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                train_pk.sequence_length is not None, (len(log_csv.rows), time.perf_counter()))
     stopped, epoch = "finished", state["epoch"]
     interrupts = _Interrupts(True, world, agree_every=1 if dev.type == "cpu" else READ_EVERY["cuda"])
+    lost = False  # another process of the run died
     warned = False  # the loss watch's warning for a run that is stuck but not hopeless: once
     deadline = _now() + 60 * cfg.minutes if cfg.minutes else None
     check_rate = tuned is not None and world.is_main  # the run's rate against tune's, once
@@ -1077,6 +1080,13 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                         say(f"warning: {why}" + ("" if hopeless or state["epoch"] >= cfg.epochs else
                                                  " Its output still depends on its input, so it trains on."))
                         warned = True
+    except RuntimeError as e:
+        if world.distributed and distributed.peer_lost(e):  # another process of the run died: say so, don't hang
+            lost = True
+            raise TrainfastError(f"another process of this run stopped ({distributed.peer_lost(e)}); this one stops "
+                                 f"too. The last checkpoint rank 0 saved is in {run_dir}: resume with torchrun … -m "
+                                 f"trainfast train --resume {shlex.quote(str(run_dir))}") from None
+        raise
     except KeyboardInterrupt:
         if interrupts.torn:  # a second Ctrl-C mid-step: weights and position may disagree; keep the last save
             say(f"\ninterrupted mid-step; the last checkpoint {run_dir / 'last.pt'} is from before it")
@@ -1088,5 +1098,6 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         _given_back(given)
         with contextlib.suppress(Exception):  # the figure is not worth hiding why a run stopped
             run.plot(force=True)
-        distributed.barrier(world)
+        if not lost:  # with a process gone, no collective can complete
+            distributed.barrier(world)
     return FitResult(run_dir, log_csv.rows, state["best"], speed, stopped, given)

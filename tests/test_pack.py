@@ -460,3 +460,15 @@ def test_a_script_without_a_main_guard_under_spawn_is_told_why(image_folder, tmp
     assert p.stderr.strip().splitlines()[-1].startswith("trainfast.errors.TrainfastError: a pack worker process died "
                                                         "(with the 'spawn' start method")
     assert 'put that under `if __name__ == "__main__":`' in p.stderr
+
+
+def test_a_short_write_without_errno_is_a_full_disk_too(image_folder, tmp_path, monkeypatch):
+    """numpy reports a write the disk cut short as OSError("N requested and M written") with no
+    errno; it used to escape the full-disk handler as a traceback."""
+    from trainfast.data import pack as pack_mod
+
+    def short(path, array):
+        raise OSError(f"{array.nbytes} requested and 4096 written")
+    monkeypatch.setattr(pack_mod, "_save_npy_atomic", short)
+    with pytest.raises(TrainfastError, match=r"no space left on the device .* rerun the same command"):
+        trainfast.pack(image_folder, tmp_path / "p", size=(16, 16), chunk=8, workers=1, progress=False)

@@ -145,7 +145,7 @@ def _build(src: Source, out: Path, order: np.ndarray, cfg: PackConfig, identity:
             _remove(build)
         raise
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not _disk_full(e):
             raise
         need = len(order) * cfg.size[0] * cfg.size[1] * cfg.channels * (2 if cfg.encoding == "raw" else 0.25)
         free = shutil.disk_usage(build).free
@@ -276,6 +276,12 @@ def _prepare_build_dir(build: Path, identity: dict, log) -> None:
     except OSError as e:
         raise TrainfastError(f"{build.parent}: cannot write here ({e.strerror or e})") from None
     _write_atomic(marker, json.dumps(identity, indent=1).encode())
+
+
+def _disk_full(e: OSError) -> bool:
+    """ENOSPC or a quota; or numpy's short write ("N requested and M written"), which has no errno."""
+    return e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and " requested and " in str(e)
+                                                        and str(e).rstrip().endswith("written"))
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

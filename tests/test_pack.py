@@ -472,3 +472,25 @@ def test_a_short_write_without_errno_is_a_full_disk_too(image_folder, tmp_path, 
     monkeypatch.setattr(pack_mod, "_save_npy_atomic", short)
     with pytest.raises(TrainfastError, match=r"no space left on the device .* rerun the same command"):
         trainfast.pack(image_folder, tmp_path / "p", size=(16, 16), chunk=8, workers=1, progress=False)
+
+
+def test_arrays_packed_by_another_process_now_are_waited_for(tmp_path, monkeypatch):
+    """Every torchrun rank calls fit((x, y)) and so packs the same arrays into the same cache
+    folder: the second waits for the first and takes its pack (it used to stop on the lock)."""
+    import threading
+
+    from trainfast import files
+    from trainfast.data import pack as pack_mod
+    from trainfast.data.sources import from_arrays
+    monkeypatch.setattr(pack_mod, "cache_dir", lambda: tmp_path)
+    x = np.random.default_rng(0).integers(0, 255, (20, 8, 8, 3), dtype=np.uint8)
+    y = np.arange(20) % 2
+    out = tmp_path / "packs" / f"{from_arrays(x, y).fingerprint()[:16]}.pack"
+    got = []
+    with files.only_one(out.parent / f".{out.name}.trainfast-lock", "another trainfast process is building it"):
+        t = threading.Thread(target=lambda: got.append(pack_mod.pack_arrays(x, y)[0]))
+        t.start()
+        t.join(0.6)
+        assert t.is_alive()  # waiting, not failing
+    t.join(30)
+    assert len(got) == 1 and len(got[0]) == 20

@@ -20,10 +20,14 @@ from pathlib import Path
 from trainfast.errors import TrainfastError
 
 
+class Busy(TrainfastError):
+    """Another process holds the lock (its message says what it is doing)."""
+
+
 @contextlib.contextmanager
 def only_one(lock: Path, busy: str):
-    """Hold `lock` (a file, made if missing, removed at the end) or raise TrainfastError(busy)
-    at once if another process holds it. The lock's folder is made. A process that locked a
+    """Hold `lock` (a file, made if missing, removed at the end) or raise Busy(busy) at once if
+    another process holds it. The lock's folder is made. A process that locked a
     file its holder removed meanwhile tries again."""
     try:
         import fcntl
@@ -41,7 +45,7 @@ def only_one(lock: Path, busy: str):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise TrainfastError(busy) from None
+            raise Busy(busy) from None
         try:
             same = os.stat(lock).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:

@@ -88,13 +88,23 @@ def is_arrays(data) -> bool:
     return isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data[0], (str, os.PathLike))
 
 
+ARRAYS_WAIT_S = 600.0  # how long pack_arrays waits for another process packing the same arrays
+
+
 def pack_arrays(images, labels, name: str = "arrays") -> tuple[Pack, list[str]]:
     """(images, labels) arrays as a pack in trainfast's cache, at their own size, made once and
     reused while the arrays are the same (the folder is named by their fingerprint); and the notes
     on how they were read (channels-first, class names)."""
     src = from_arrays(images, labels, name=name)
     out = cache_dir() / "packs" / f"{src.fingerprint()[:16]}.pack"
-    return pack(src, out, progress=False, overwrite=True), src.notes
+    deadline = time.monotonic() + ARRAYS_WAIT_S
+    while True:
+        try:
+            return pack(src, out, progress=False, overwrite=True), src.notes
+        except files.Busy:  # another process packs the same arrays (each torchrun rank calls fit((x, y))): wait,
+            if time.monotonic() > deadline:  # then take the pack it made
+                raise
+            time.sleep(0.2)
 
 
 def _source(source, options: dict) -> Source:

@@ -690,3 +690,17 @@ def test_an_empty_last_pt_is_one_line(digits_packs, small_net_file, tmp_path, ca
     capsys.readouterr()
     assert main(["train", "--resume", str(run), "--model", f"{small_net_file}:small", "--device", "cpu"]) == 1
     assert "last.pt: an empty file, not a checkpoint" in capsys.readouterr().err
+
+
+def test_odd_fit_arguments_are_one_line_each(digits_packs, tmp_path):
+    train, _ = digits_packs
+    (tmp_path / "afile").write_text("x")
+    quiet = dict(device="cpu", tune=False, progress=False, log=lambda *a: None)
+    for kwargs, says in ((dict(config=TrainConfig(seed=None)), "seed must be a whole number ≥ 0, not None"),
+                         (dict(augment={"flop": 1}), "augment: flop is not an augmentation trainfast has"),
+                         (dict(augment=[1]), "augment must be a trainfast.Augment"),
+                         (dict(run_dir=tmp_path / "afile"), "afile: a file, not a run directory")):
+        with pytest.raises(TrainfastError, match=re.escape(says)):
+            fit("cifar_cnn", train, **quiet, **kwargs)
+    r = fit("cifar_cnn", train, epochs=1, augment={"flip": True}, run_dir=tmp_path / "run", **quiet)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["augment"]["flip"] is True and r.rows

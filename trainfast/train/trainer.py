@@ -19,7 +19,7 @@ import signal
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +233,10 @@ class _Interrupts:
 
 
 def _check_config(cfg: TrainConfig) -> None:
+    for name in ("epochs", "seed", "patience", "save_every"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TrainfastError(f"{name} must be a whole number ≥ 0, not {value!r}")
     if cfg.optimizer not in OPTIMIZERS:
         raise TrainfastError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {cfg.optimizer!r}")
     if cfg.schedule not in SCHEDULES:
@@ -309,6 +313,8 @@ def _own_run_dir(run_dir: Path, resume: bool, stack: contextlib.ExitStack) -> No
     save that was killed."""
     busy = (f"{run_dir}: another trainfast run is using this run directory now; wait for it, or choose another "
             "--run-dir")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainfastError(f"{run_dir}: a file, not a run directory; choose another --run-dir")
     if not resume and run_dir.exists() and any(p.name != RUN_LOCK for p in run_dir.iterdir()):
         raise TrainfastError(f"{run_dir}: exists and is not empty; choose another --run-dir or --resume it")
     try:
@@ -859,6 +865,7 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
     if batch_size is not None:
         pin = {**(pin or {}), "batch_size": batch_size}
     _check_config(cfg)
+    augment = _augment(augment)
     saved = None
     if resume:
         if not run_dir:
@@ -876,6 +883,20 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
                             stack)
         finally:
             torch.set_num_threads(threads)
+
+
+def _augment(augment) -> Augment | None:
+    """fit's augment: an Augment, or a dict of its fields (as a notebook user writes it)."""
+    if augment is None or isinstance(augment, Augment):
+        return augment
+    if isinstance(augment, dict):
+        try:
+            return Augment(**augment)
+        except TypeError:
+            known = ", ".join(f.name for f in fields(Augment))
+            raise TrainfastError(f"augment: {', '.join(sorted(set(augment) - {f.name for f in fields(Augment)}))} is "
+                                 f"not an augmentation trainfast has ({known})") from None
+    raise TrainfastError(f"augment must be a trainfast.Augment (or a dict of its fields), not {type(augment).__name__}")
 
 
 def _elastic(speed: Speed, saved_world: int, world, say) -> Speed:

@@ -703,4 +703,4 @@ def test_odd_fit_arguments_are_one_line_each(digits_packs, tmp_path):
         with pytest.raises(TrainfastError, match=re.escape(says)):
             fit("cifar_cnn", train, **quiet, **kwargs)
     r = fit("cifar_cnn", train, epochs=1, augment={"flip": True}, run_dir=tmp_path / "run", **quiet)
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["augment"]["flip"] is True and r.rows
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["augment"]["flip"] is True and r.history

@@ -704,3 +704,17 @@ def test_odd_fit_arguments_are_one_line_each(digits_packs, tmp_path):
             fit("cifar_cnn", train, **quiet, **kwargs)
     r = fit("cifar_cnn", train, epochs=1, augment={"flip": True}, run_dir=tmp_path / "run", **quiet)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["augment"]["flip"] is True and r.history
+
+
+def test_a_model_with_nothing_to_train_is_one_line(digits_packs, tmp_path):
+    train, _ = digits_packs
+
+    class NoParams(nn.Module):
+        def forward(self, x):
+            return x.mean((2, 3)).repeat(1, 4)[:, :10]
+    frozen = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10)).requires_grad_(False)
+    quiet = dict(epochs=1, device="cpu", tune=False, progress=False, log=lambda *a: None)
+    with pytest.raises(TrainfastError, match="nothing to train: the model has no parameters"):
+        fit(NoParams(), train, run_dir=tmp_path / "a", **quiet)
+    with pytest.raises(TrainfastError, match=r"nothing to train: all 30,730 parameters are frozen"):
+        fit(frozen, train, run_dir=tmp_path / "b", **quiet)

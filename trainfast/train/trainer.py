@@ -942,6 +942,11 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     resume = saved is not None
     torch.manual_seed(cfg.seed)  # before the model is built: its initial weights follow the seed
     net, name = _model_and_name(model)
+    params = list(net.parameters())
+    if not any(p.requires_grad for p in params):
+        raise TrainfastError(f"{name}: nothing to train: " + (f"all {sum(p.numel() for p in params):,} parameters are "
+                                                              "frozen (requires_grad=False)" if params else
+                                                              "the model has no parameters"))
     try:
         dev = hardware.resolve_device(device)
     except ValueError as e:

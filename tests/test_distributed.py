@@ -235,3 +235,43 @@ def test_two_nodes_on_localhost_train_as_one_process(stoppable, tmp_path):
     assert len(said) == 1 and f"resume with torchrun … -m trainfast train --resume {lost}" in said[0]
     line = next(l for l in said[0].splitlines() if "another process of this run stopped" in l)
     assert line.startswith("trainfast train: error: ") and "Traceback" not in said[0].split(line)[0][-300:]
+
+
+@pytest.mark.slow
+def test_workers_whose_torchrun_is_killed_save_and_stop(stoppable, tmp_path):
+    """SIGKILL of torchrun alone (its workers keep running in their own process group) used to
+    leave both ranks training on as orphans: now they notice within a second, agree on a step,
+    rank 0 saves, and both exit."""
+    import os
+    import signal
+    import time
+    model, train, _ = stoppable
+    run = tmp_path / "orphans"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "-m", "trainfast", "train", str(train.path), "--model", f"{model}:small", "--epochs", "200",
+                              "--no-tune", "--batch-size", "16", "--threads", "1", "--run-dir", str(run), *COMMON],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def workers():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if str(run).encode() in cmd and b"torch.distributed.run" not in cmd:
+                found.append(int(pid))
+        return found
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.csv").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # some steps in
+    assert len(workers()) == 2
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    deadline = time.monotonic() + 30
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not workers(), "the workers trained on as orphans"
+    import torch
+    assert torch.load(run / "last.pt", weights_only=True)["state"]["step"] > 0  # rank 0 saved where they stopped

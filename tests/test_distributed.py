@@ -190,15 +190,16 @@ def test_a_global_batch_that_does_not_split_is_one_line():
     assert _elastic(Speed(batch_size=16), 2, distributed.World(size=4), lambda m: None).batch_size == 8
 
 
-def _two_nodes(args, port, env=None, timeout=180):
+def _two_nodes(args, port, env=None, timeout=180, node_args=None):
     """Two torchrun commands on this machine as two "nodes" (c10d rendezvous on 127.0.0.1, one
-    process each, gloo): (returncode, stderr) of each, and the seconds until both ended."""
+    process each, gloo): (returncode, stderr) of each, and the seconds until both ended.
+    node_args: per node, arguments that replace `args` there."""
     import os
     import time
     started = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
-                               "--rdzv_id", f"test{port}", "-m", "trainfast", *args],
+                               "--rdzv_id", f"test{port}", "-m", "trainfast", *(node_args or [args, args])[r]],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, **(env or {})}) for r in (0, 1)]
     out = [p.communicate(timeout=timeout) for p in procs]
@@ -275,3 +276,21 @@ def test_workers_whose_torchrun_is_killed_save_and_stop(stoppable, tmp_path):
     assert not workers(), "the workers trained on as orphans"
     import torch
     assert torch.load(run / "last.pt", weights_only=True)["state"]["step"] > 0  # rank 0 saved where they stopped
+
+
+@pytest.mark.slow
+def test_resuming_where_one_node_lacks_the_run_directory_is_one_line_on_each(stoppable, tmp_path):
+    """The run directory on one node's disk only: the node without it says what each node needs,
+    and the other is told too, at once (it used to wait in the process group for it)."""
+    model, train, _ = stoppable
+    run = tmp_path / "run"
+    p = _trainfast(["train", str(train.path), "--model", f"{model}:small", "--epochs", "2", "--no-tune",
+                    "--batch-size", "32", "--threads", "1", "--run-dir", str(run), *COMMON], env={"TEST_STOP_AT": "5"})
+    assert p.returncode == 130, p.stderr[-2000:]
+    resume = ["train", "--resume", str(run), "--model", f"{model}:small", "--device", "cpu", "-q"]
+    elsewhere = ["train", "--resume", str(tmp_path / "not-here"), "--model", f"{model}:small", "--device", "cpu", "-q"]
+    results, seconds = _two_nodes(None, _free_port(), node_args=[resume, elsewhere])
+    assert seconds < 120 and all(rc != 0 for rc, _ in results)
+    assert "not-here: not a run directory to resume (no config.json) — under torchrun every node reads the run " \
+           "directory" in results[1][1]
+    assert "another node has no such run directory to resume" in results[0][1]

@@ -448,7 +448,7 @@ def _resumable(a) -> dict:
     from trainfast.train.trainer import read_run_config
 
     defaults = vars(_parser().parse_args(["train"]))
-    saved = read_run_config(a.resume)
+    saved = read_run_config(a.resume, a.device)
     changed = [("PACK" if k == "pack" else "--" + k.replace("_", "-")) for k, v in vars(a).items()
                if k not in _RESUME_TAKES and v != defaults.get(k)
                and not (k == "epochs" and v == saved["train"].get("epochs"))]  # the run's own count: no change

@@ -265,14 +265,21 @@ def pack_record(pk: Pack) -> dict:
     return {"path": str(pk.path.resolve()), "count": len(pk), "id": hashlib.sha1(ident.encode()).hexdigest()[:16]}
 
 
-def read_run_config(run_dir) -> dict:
+def read_run_config(run_dir, device=None) -> dict:
     """A run directory's config.json, checked against what resuming reads from it: one line
     naming the file and what is wrong, never a traceback. Nothing in it runs: the model is a
-    name, and a model from a file is the caller's to name again."""
+    name, and a model from a file is the caller's to name again.
+
+    Under torchrun a process that finds no run directory joins the process group (on `device`,
+    as the others will) only to tell them, so that none waits there for it (see _fit)."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
-        shared = (" — under torchrun every node reads the run directory (config.json, last.pt): put it on a file "
-                  "system all nodes share, or copy it to each") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        shared = ""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            shared = (" — under torchrun every node reads the run directory (config.json, last.pt): put it on a file "
+                      "system all nodes share, or copy it to each")
+            with contextlib.suppress(Exception):  # telling the others is a courtesy; the line below is the error
+                distributed.sum_all([1.0], distributed.setup(hardware.resolve_device(device)))
         raise TrainfastError(f"{run_dir}: not a run directory to resume (no config.json){shared}")
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
@@ -870,7 +877,7 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
     if resume:
         if not run_dir:
             raise TrainfastError("resume=True needs the run_dir to resume")
-        saved = read_run_config(run_dir)
+        saved = read_run_config(run_dir, device)
         cfg = TrainConfig(**saved["train"])
     # NOTE: the caller's random streams are put back: the CPU's, and the current GPU's where CUDA
     # is in use already (forking every GPU's would start CUDA on each, in each torchrun process).
@@ -963,6 +970,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                                  "compare mismatched labels")
     world = distributed.setup(dev)  # after the checks: a bad input stops every rank before any waits for the others
     dev = world.device
+    if resume and world.distributed and distributed.sum_all([0.0], world)[0] > 0:  # see fit(): a node without it
+        raise TrainfastError(f"{run_dir}: another node has no such run directory to resume; every node reads it "
+                             "(config.json, last.pt): put it on a file system all nodes share, or copy it to each")
     given = net.to(dev)  # trained in place: its parameters and buffers live on the device from here
     net = _working_copy(given)
     say = log if world.is_main else (lambda *a, **k: None)

@@ -219,8 +219,9 @@ def test_interrupt_at_any_moment_resumes_to_the_same_weights(digits_packs, tmp_p
     """Mid-step (the signal lands inside the forward pass) or during validation: the checkpoint's
     weights, step and loader position agree, and the resumed run ends where an uninterrupted one does."""
     train, test = digits_packs
-    kw = dict(config=TrainConfig(epochs=2, optimizer="adamw"), speed=Speed(batch_size=64), device="cpu",
-              progress=False, log=lambda *a: None)
+    # threads pinned: fit otherwise follows other programs' load with its thread count, which changes CPU sums
+    kw = dict(config=TrainConfig(epochs=2, optimizer="adamw"), device="cpu", progress=False, log=lambda *a: None,
+              speed=Speed(batch_size=64, threads=torch.get_num_threads()))
     fit(Signals(), train, test, run_dir=tmp_path / "whole", **kw)
     with pytest.raises(KeyboardInterrupt):
         fit(Signals(at, sig, when), train, test, run_dir=tmp_path / "cut", **kw)

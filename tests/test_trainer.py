@@ -719,3 +719,16 @@ def test_a_model_with_nothing_to_train_is_one_line(digits_packs, tmp_path):
         fit(NoParams(), train, run_dir=tmp_path / "a", **quiet)
     with pytest.raises(TrainfastError, match=r"nothing to train: all 30,730 parameters are frozen"):
         fit(frozen, train, run_dir=tmp_path / "b", **quiet)
+
+
+def test_an_edited_epoch_count_in_config_json_is_one_line(digits_packs, small_net_file, tmp_path, capsys):
+    run = tmp_path / "run"
+    _run_small(digits_packs, small_net_file, run)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["train"]["epochs"] = 5  # the run was planned (and scheduled) for 1
+    (run / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--model", f"{small_net_file}:small", "--device", "cpu", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "config.json plans 5 epochs, but the run's learning-rate schedule was made for 1" in err
+    assert err.count("\n") == 1

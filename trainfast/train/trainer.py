@@ -1032,7 +1032,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     trained = distributed.wrap(_step.compile_model(net, dev, graphs=world.size == 1) if speed.compile else net, world)
 
     log_csv = MetricsLog(run_dir / "metrics.csv")
-    state = {"epoch": 0, "step": 0, "best": -1.0, "bad_epochs": 0, "partial": [0.0, 0.0, 0.0, 0.0]}
+    state = {"epoch": 0, "step": 0, "best": -1.0, "bad_epochs": 0, "partial": [0.0, 0.0, 0.0, 0.0],
+             "epochs": cfg.epochs}  # the plan its schedule was made for
     if resume and started:
         ck = checkpoint.load(run_dir / "last.pt", name, net)  # on the CPU; load_state_dict moves it
         net.load_state_dict(ck["model"])
@@ -1040,6 +1041,10 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         opt.load_state_dict(ck["optimizer"])
         for g, k in zip(opt.param_groups, kernels):  # this device's kernels, not the saving device's
             g.update(k)
+        if ck["state"].get("epochs", cfg.epochs) != cfg.epochs:  # config.json edited: the schedule would break
+            raise TrainfastError(f"{run_dir}/config.json plans {cfg.epochs} epochs, but the run's learning-rate schedule "
+                                 f"was made for {ck['state']['epochs']}; a run resumes with its own plan (to train "
+                                 "longer, start a new run)")
         if ck["state"].get("shortened"):  # a run the time budget shortened goes on with its shorter plan
             short = ck["state"]["shortened"]
             cfg = replace(cfg, epochs=short["epochs"])

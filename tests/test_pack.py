@@ -494,3 +494,14 @@ def test_arrays_packed_by_another_process_now_are_waited_for(tmp_path, monkeypat
         assert t.is_alive()  # waiting, not failing
     t.join(30)
     assert len(got) == 1 and len(got[0]) == 20
+
+
+def test_a_link_planted_as_the_build_folder_is_refused(image_folder, tmp_path):
+    from trainfast.data.pack import _build_dir
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "p"
+    _build_dir(out).symlink_to(elsewhere)
+    with pytest.raises(TrainfastError, match="trainfast builds nothing through a link"):
+        trainfast.pack(image_folder, out, size=(16, 16), progress=False)
+    assert not any(elsewhere.iterdir()) and not out.exists()

@@ -271,6 +271,9 @@ def _remove(path: Path) -> None:
 def _prepare_build_dir(build: Path, identity: dict, log) -> None:
     """Reuse a build folder from an interrupted run of the same build, else start afresh."""
     marker = build / "build.json"
+    if build.is_symlink():  # a planted link: a resumed build would write wherever it points
+        raise TrainfastError(f"{build}: a link where trainfast keeps its build folder; trainfast builds nothing "
+                             "through a link: remove it, then rerun")
     if build.exists():
         try:
             same = json.loads(marker.read_text(encoding="utf-8")) == identity

@@ -269,7 +269,7 @@ def keras_recommendation(recipe: Recipe, model, script_step_s: float, batch_size
 
 
 def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_size: int,
-                         data_name: str) -> Recommendation:
+                         data_name: str, device: str = "cpu", x=None) -> Recommendation:
     """The Loader's time per batch on a pack of a sample of the script's files, in place of the
     data wait (the data doctor's estimate of the same fix)."""
     from trainfast.data.loader import Loader
@@ -283,9 +283,12 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     new = max(step_s - data_s, 0.0) + per_batch
+    unit = x is not None and float(np.min(x)) >= 0 and float(np.max(x)) <= 1.5  # the script fed [0, 1] images
     code = (f"from trainfast import Loader\n"
-            f"loader = Loader({recipe.out!r}, batch_size={batch_size}, device=DEVICE)   # was: {data_name}\n"
-            f"# batches come as (images N×C×H×W float on DEVICE, normalised; labels int64)")
+            f"loader = Loader({recipe.out!r}, batch_size={batch_size}, device={device!r}"
+            + (", normalize=False" if unit else "") + f")   # was: {data_name}\n"
+            f"# batches: (images N×C×H×W float32 on {device}, "
+            + ("in [0, 1] as yours were" if unit else "normalised by the pack's mean and std") + "; labels int64)")
     return Recommendation(
         "Pack the images once, then stream the pack", f"{recipe.command}\n# then in the script:\n{code}",
         step_s / max(new, 1e-9), True,

@@ -402,7 +402,9 @@ def _recipe(r: ScriptReport, probe: _Probe, log, measure: bool = True):
             x, y, _ = rc.batch_images(probe.first_batch, "keras")
             rec = rc.keras_recommendation(found, probe.keras_model, r.mean("seconds"), bs, data_name, x, y)
         else:
-            rec = rc.torch_recommendation(found, r.mean("seconds"), r.mean("data"), bs, data_name)
+            first = rc.batch_images(probe.first_batch, "pytorch") if probe.first_batch is not None else None
+            rec = rc.torch_recommendation(found, r.mean("seconds"), r.mean("data"), bs, data_name,
+                                          (r.devices.get("model") or ["cpu"])[0], first[0] if first else None)
     except StopScript:
         raise
     except Exception as e:  # noqa: BLE001 - the measurement is a bonus; the command stands without it

@@ -341,32 +341,36 @@ def _probe_with(files, csvs=(), batch=None):
     return p
 
 
+def _found(probe):
+    from trainfast.diagnose.recipe import batch_images, find_recipe
+    return find_recipe(probe, batch_images(probe.first_batch, "keras"))
+
+
 def test_the_recipe_finds_the_csv_that_lists_the_images_and_guesses_its_label_column(tmp_path, image_folder):
-    from trainfast.diagnose.recipe import find_recipe
     files = sorted(image_folder.rglob("*.jpg"))
     rows = "\n".join(f"{f.relative_to(tmp_path)},{f.parent.name},x" for f in files)
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     listed = tmp_path / "list.csv"
     listed.write_text("file,kind,extra\n" + rows + "\n")
     class_batch = (np.zeros((2, 64, 128, 3), np.float32), np.array([0, 1]))  # the script's labels: classes
-    recipe, why = find_recipe(_probe_with(files[:6], [listed, tmp_path / "other.csv"], class_batch), "keras")
+    recipe, why = _found(_probe_with(files[:6], [listed, tmp_path / "other.csv"], class_batch))
     assert recipe is not None, why
     assert recipe.command == f"trainfast pack {listed} {tmp_path.name}.pack --size 64x128 --path-column file " \
                              "--label-column kind"
     assert not recipe.notes  # 'kind' repeats 2 values, 'extra' holds one: the labels decide
     assert recipe.source.classes == ["cat", "dog"] and len(recipe.source) == len(files)
     seq_batch = (class_batch[0], np.zeros((2, 8), np.int64))  # 8-character labels: no column fits, a guess
-    recipe, why = find_recipe(_probe_with(files[:6], [listed], seq_batch), "keras")
+    recipe, why = _found(_probe_with(files[:6], [listed], seq_batch))
     assert "--label-column kind" in recipe.command and "'kind' is a guess among 'kind', 'extra'" in recipe.notes[0]
 
     flat = tmp_path / "flat"
     flat.mkdir()
     for f in files[:3]:
         (flat / f.name).write_bytes(f.read_bytes())
-    recipe, why = find_recipe(_probe_with(sorted(flat.iterdir())), "keras")
+    recipe, why = _found(_probe_with(sorted(flat.iterdir())))
     assert recipe is None and "sit in one folder" in why and "cannot tell their labels" in why
 
-    recipe, why = find_recipe(_probe_with(files[:2], batch=(np.zeros((2, 64, 128, 4)), None)), "keras")
+    recipe, why = _found(_probe_with(files[:2], batch=(np.zeros((2, 64, 128, 4)), None)))
     assert recipe is None and "4 channels" in why
 
 

@@ -420,8 +420,9 @@ def _cmd_train(a) -> ExitStatus:
     else:
         if not a.pack or not a.model:
             raise TrainfastError("give a PACK and --model (or --resume RUN_DIR)")
-        cfg = TrainConfig(epochs=a.epochs or TrainConfig.epochs, optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay,
-                          schedule=a.schedule, warmup=a.warmup, label_smoothing=a.label_smoothing, clip=a.clip,
+        cfg = TrainConfig(epochs=a.epochs or TrainConfig.epochs, optimizer=a.optimizer, lr=a.lr,
+                          weight_decay=a.weight_decay, schedule=a.schedule, warmup=a.warmup,
+                          label_smoothing=a.label_smoothing, clip=a.clip,
                           val_fraction=a.val_fraction, patience=a.patience, save_every=a.save_every, seed=a.seed,
                           deterministic=a.deterministic, loss_watch=not a.no_loss_watch, tune_share=a.tune_share,
                           lr_test=a.lr_test, minutes=a.minutes)

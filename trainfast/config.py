@@ -1,7 +1,7 @@
 """Typed configs, one per component, with every default in one place.
 
-NOTE: imports nothing of ours but errors (which imports nothing); every room may import it. Each field's docstring is the one
-line that `--help` and the docs repeat.
+NOTE: imports nothing of ours but errors (which imports nothing); every room may import it.
+Each field's docstring is the one line that `--help` and the docs repeat.
 """
 
 from __future__ import annotations

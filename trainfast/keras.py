@@ -372,9 +372,33 @@ def _compiled(model, setting: KerasSetting):
 
 
 def _loss(model, policy: str, x, y) -> float:
-    copy = _compiled(model, KerasSetting(policy=policy))
-    out = copy.test_on_batch(x[:8], y[:8])
+    return _batch_loss(_compiled(model, KerasSetting(policy=policy)), x, y)
+
+
+def _batch_loss(model, x, y) -> float:
+    """The loss on the first 8 images, before any step: what tune's soundness check compares."""
+    out = model.test_on_batch(x[:8], y[:8])
     return float(out[0] if isinstance(out, (list, tuple)) else out)
+
+
+def batch_ends(model, batch, n: int) -> list[float]:
+    """`model.fit` over `n` batches `batch(i)` for one epoch; the time each execution ended (a
+    step, or steps_per_execution of them): their differences are the step times."""
+    ends: list[float] = []
+
+    class Ends(keras.callbacks.Callback):
+        def on_train_batch_end(self, i, logs=None):
+            ends.append(time.perf_counter())
+
+    class Feed(keras.utils.PyDataset):
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return batch(i)
+
+    model.fit(Feed(), epochs=1, verbose=0, callbacks=[Ends()])
+    return ends
 
 
 def _trial(model, setting: KerasSetting, x, y, losses: dict, deadline: float, min_seconds: float = 1.0) -> KerasTrial:
@@ -383,43 +407,20 @@ def _trial(model, setting: KerasSetting, x, y, losses: dict, deadline: float, mi
     try:
         copy = _compiled(model, setting)
         if setting.policy not in losses:
-            out = copy.test_on_batch(x[:8], y[:8])
-            losses[setting.policy] = float(out[0] if isinstance(out, (list, tuple)) else out)
+            losses[setting.policy] = _batch_loss(copy, x, y)
         trial.loss = losses[setting.policy]
         if not np.isfinite(trial.loss):
             trial.note = f"rejected: loss {trial.loss} before any step"
             return trial
         b, spe = setting.batch_size, setting.steps_per_execution
-        ends: list[float] = []
-
-        class Ends(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                ends.append(time.perf_counter())
-
         idx = np.arange(b) % len(x)
-        xb, yb = x[idx], y[idx]  # one batch of the size, fed again and again: the step is what is timed
-
-        class Same(keras.utils.PyDataset):
-            def __init__(self, n):
-                super().__init__()
-                self.n = n
-
-            def __len__(self):
-                return self.n
-
-            def __getitem__(self, i):
-                return xb, yb
-
-        def fit(executions: int):
-            ends.clear()
-            copy.fit(Same(spe * executions), epochs=1, verbose=0, callbacks=[Ends()])
-
-        fit(2)  # tracing and compiling
+        same = (x[idx], y[idx])  # one batch of the size, fed again and again: the step is what is timed
+        ends = batch_ends(copy, lambda i: same, spe * 2)  # tracing and compiling
         per_execution = max(ends[-1] - ends[-2], 1e-4) if len(ends) >= 2 else 1.0
         left = deadline - time.perf_counter()
         executions = int(min(50, max(3, min(min_seconds, left) / per_execution)))
         with hardware.OtherLoad() as load:
-            fit(executions + 1)
+            ends = batch_ends(copy, lambda i: same, spe * (executions + 1))
         trial.other_cores = load.cores
         gaps = np.diff(ends)  # the first execution's end is the start of the timed ones
         trial.images_per_s = b * spe / statistics.median(gaps) if len(gaps) else None

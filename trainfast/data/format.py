@@ -158,7 +158,8 @@ class Pack:
             raise TrainfastError(f"{self.path}: damaged pack (meta says {m['count']} images, "
                                  f"{'images.npy' if self.encoding == 'raw' else 'offsets.npy'} holds {n})")
         if len(self.labels) != n:
-            raise TrainfastError(f"{self.path}: damaged pack (labels.npy holds {len(self.labels)} labels for {n} images)")
+            raise TrainfastError(f"{self.path}: damaged pack (labels.npy holds {len(self.labels)} labels for {n} "
+                                 "images)")
         _check_arrays(self)
 
     def __len__(self) -> int:

@@ -17,7 +17,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,9 +79,9 @@ def _numpy(a):
     return np.asarray(a) if hasattr(a, "shape") else None
 
 
-def find_recipe(probe, framework: str) -> tuple[Recipe | None, str]:
-    """The recipe for what the script read, or (None, why not, in words)."""
-    first = batch_images(probe.first_batch, framework) if probe.first_batch is not None else None
+def find_recipe(probe, first) -> tuple[Recipe | None, str]:
+    """The recipe for what the script read, or (None, why not, in words); `first` is
+    batch_images() of its first batch (None where it had no image array)."""
     if first is None:
         return None, "its batches hold no 4-D image array"
     x, y, (h, w, c) = first
@@ -228,9 +227,7 @@ def keras_recommendation(recipe: Recipe, model, script_step_s: float, batch_size
                          x, y, max_seconds: float = 20.0) -> Recommendation:
     """Feed the script's own Keras model from a pack of a sample of its files for a few steps and
     compare the step time with the script's own (data wait included)."""
-    import keras
-
-    from trainfast.keras import PackDataset
+    from trainfast.keras import PackDataset, batch_ends
 
     tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
     try:
@@ -240,21 +237,12 @@ def keras_recommendation(recipe: Recipe, model, script_step_s: float, batch_size
         labels = np.resize(y, (feed.loader.batch_size, *y.shape[1:])) if y is not None else None
         scale = 255.0 if float(np.max(x)) > 1.5 else 1.0  # the model sees what the script gave it
         steps = int(min(10, max(4, max_seconds / max(script_step_s, 1e-3)))) + 2
-        ends: list[float] = []
 
-        class Feed(keras.utils.PyDataset):
-            def __len__(self):
-                return steps
+        def batch(i):
+            images, _ = feed[i % len(feed)]
+            return (images * scale if scale != 1.0 else images), labels
 
-            def __getitem__(self, i):
-                images, _ = feed[i % len(feed)]
-                return (images * scale if scale != 1.0 else images), labels
-
-        class Ends(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                ends.append(time.perf_counter())
-
-        model.fit(Feed(), epochs=1, verbose=0, callbacks=[Ends()])
+        ends = batch_ends(model, batch, steps)
         step = statistics.median(np.diff(ends[1:])) if len(ends) > 3 else float("nan")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

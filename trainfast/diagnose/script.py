@@ -309,11 +309,13 @@ def _report(command, probe: _Probe, stopped: str, error: str, log=print, fixes: 
     elif probe.model_ref is not None:
         r.layers, r.model, model_findings = _torch_layers(probe)
         r.findings += model_findings
+    from trainfast.diagnose.recipe import batch_images
+    first = batch_images(probe.first_batch, r.framework) if probe.first_batch is not None else None
     recipe, why_not = None, ""
     if r.timed and r.data_share >= MODERATELY_INPUT_BOUND and r.data_source.get("reads") != "a trainfast pack":
-        recipe, why_not = _recipe(r, probe, log, fixes)
+        recipe, why_not = _recipe(r, probe, first, log, fixes)
     if fixes and r.timed and r.framework == "keras" and probe.keras_model is not None:
-        r.findings += _keras_settings(r, probe, log)
+        r.findings += _keras_settings(r, probe, first, log)
     r.findings += _findings(r, recipe is not None, why_not)
     r.findings += _storage_findings(r, _files_read(probe, recipe))
     r.recommendations.sort(key=lambda rec: -rec.speedup)
@@ -350,12 +352,10 @@ def _files_read(probe: _Probe, recipe) -> list[str]:
     return read
 
 
-def _keras_settings(r: ScriptReport, probe: _Probe, log) -> list[str]:
-    """Keras's own speed settings timed on a copy of the script's model with one of its batches:
-    a recommendation when one wins, else a finding that says what was tried."""
-    from trainfast.diagnose.recipe import batch_images
-
-    first = batch_images(probe.first_batch, "keras") if probe.first_batch is not None else None
+def _keras_settings(r: ScriptReport, probe: _Probe, first, log) -> list[str]:
+    """Keras's own speed settings timed on a copy of the script's model with its first batch
+    (`first`, from batch_images): a recommendation when one wins, else a finding that says what
+    was tried."""
     if first is None or first[1] is None:
         return []
     try:
@@ -380,12 +380,12 @@ def _keras_settings(r: ScriptReport, probe: _Probe, log) -> list[str]:
     return []
 
 
-def _recipe(r: ScriptReport, probe: _Probe, log, measure: bool = True):
+def _recipe(r: ScriptReport, probe: _Probe, first, log, measure: bool = True):
     """The pack that replaces what the script reads, with its gain measured on the spot."""
     from trainfast.diagnose import recipe as rc
 
     try:
-        found, why_not = rc.find_recipe(probe, r.framework)
+        found, why_not = rc.find_recipe(probe, first)
     except (OSError, TrainfastError) as e:
         return None, str(e)
     if found is None:
@@ -398,13 +398,12 @@ def _recipe(r: ScriptReport, probe: _Probe, log, measure: bool = True):
         return found, ""
     log(f"trainfast doctor: packing a sample of {found.reads} to measure the fix")
     try:
+        x, y, _ = first  # a recipe was found: the first batch held images
         if r.framework == "keras" and probe.keras_model is not None:
-            x, y, _ = rc.batch_images(probe.first_batch, "keras")
             rec = rc.keras_recommendation(found, probe.keras_model, r.mean("seconds"), bs, data_name, x, y)
         else:
-            first = rc.batch_images(probe.first_batch, "pytorch") if probe.first_batch is not None else None
             rec = rc.torch_recommendation(found, r.mean("seconds"), r.mean("data"), bs, data_name,
-                                          (r.devices.get("model") or ["cpu"])[0], first[0] if first else None)
+                                          (r.devices.get("model") or ["cpu"])[0], x)
     except StopScript:
         raise
     except Exception as e:  # noqa: BLE001 - the measurement is a bonus; the command stands without it

@@ -68,7 +68,8 @@ def _damage(state: dict) -> str:
             return f"no {key!r}" if key not in state else f"{key!r} is {type(state[key]).__name__}"
     for part, keys in (("loader", ("epoch", "position")), ("state", ("epoch", "step", "position"))):
         for key in keys:
-            value = state[part].get(key, 0 if (part, key) == ("state", "position") else None)
+            default = 0 if (part, key) == ("state", "position") else None  # older checkpoints kept no state position
+            value = state[part].get(key, default)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 return f"{part} {key} is {value!r}, not a whole number ≥ 0"
     return ""

@@ -223,11 +223,11 @@ class _Interrupts:
             yield
         finally:
             self.holding = False
-        self.steps += 1
-        if self.world is not None and self.steps % self.agree_every == 0:
+        if self.world is not None:  # the ranks stop together, at a step where they agree
+            self.steps += 1
+            if self.steps % self.agree_every:
+                return
             self.pending = distributed.sum_all([float(self.pending)], self.world)[0] > 0  # one rank's signal stops all
-        elif self.world is not None:
-            return
         if self.pending:
             raise KeyboardInterrupt
 
@@ -840,8 +840,8 @@ def _determinism(on: bool):
 
 
 def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | None = None, lr: float | None = None,
-        optimizer: str | None = None, minutes: float | None = None, config: TrainConfig | None = None, speed: Speed | None = None,
-        pin: dict | None = None, augment: Augment | None = None, device=None, run_dir=None,
+        optimizer: str | None = None, minutes: float | None = None, config: TrainConfig | None = None,
+        speed: Speed | None = None, pin: dict | None = None, augment: Augment | None = None, device=None, run_dir=None,
         resume: bool = False, tune: bool = True, progress: bool = True, log=print) -> FitResult:
     """Train `model` on the pack `train`, validating on `val` (or a held-out split).
 
@@ -897,12 +897,12 @@ def _augment(augment) -> Augment | None:
     if augment is None or isinstance(augment, Augment):
         return augment
     if isinstance(augment, dict):
-        try:
-            return Augment(**augment)
-        except TypeError:
-            known = ", ".join(f.name for f in fields(Augment))
-            raise TrainfastError(f"augment: {', '.join(sorted(set(augment) - {f.name for f in fields(Augment)}))} is "
-                                 f"not an augmentation trainfast has ({known})") from None
+        known = [f.name for f in fields(Augment)]
+        unknown = sorted(set(augment) - set(known))
+        if unknown:
+            raise TrainfastError(f"augment: {', '.join(unknown)} is not an augmentation trainfast has "
+                                 f"({', '.join(known)})")
+        return Augment(**augment)
     raise TrainfastError(f"augment must be a trainfast.Augment (or a dict of its fields), not {type(augment).__name__}")
 
 
@@ -1042,9 +1042,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         for g, k in zip(opt.param_groups, kernels):  # this device's kernels, not the saving device's
             g.update(k)
         if ck["state"].get("epochs", cfg.epochs) != cfg.epochs:  # config.json edited: the schedule would break
-            raise TrainfastError(f"{run_dir}/config.json plans {cfg.epochs} epochs, but the run's learning-rate schedule "
-                                 f"was made for {ck['state']['epochs']}; a run resumes with its own plan (to train "
-                                 "longer, start a new run)")
+            raise TrainfastError(f"{run_dir}/config.json plans {cfg.epochs} epochs, but the run's learning-rate "
+                                 f"schedule was made for {ck['state']['epochs']}; a run resumes with its own plan (to "
+                                 "train longer, start a new run)")
         if ck["state"].get("shortened"):  # a run the time budget shortened goes on with its shorter plan
             short = ck["state"]["shortened"]
             cfg = replace(cfg, epochs=short["epochs"])
@@ -1122,18 +1122,20 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                                                  " Its output still depends on its input, so it trains on."))
                         warned = True
     except RuntimeError as e:
-        if world.distributed and distributed.peer_lost(e):  # another process of the run died: say so, don't hang
+        reason = distributed.peer_lost(e) if world.distributed else ""
+        if reason:  # another process of the run died: say so, don't hang
             lost = True
-            raise TrainfastError(f"another process of this run stopped ({distributed.peer_lost(e)}); this one stops "
-                                 f"too. The last checkpoint rank 0 saved is in {run_dir}: resume with torchrun … -m "
-                                 f"trainfast train --resume {shlex.quote(str(run_dir))}") from None
+            raise TrainfastError(f"another process of this run stopped ({reason}); this one stops too. The last "
+                                 f"checkpoint rank 0 saved is in {run_dir}: resume with torchrun … -m trainfast train "
+                                 f"--resume {shlex.quote(str(run_dir))}") from None
         raise
     except KeyboardInterrupt:
         if interrupts.torn:  # a second Ctrl-C mid-step: weights and position may disagree; keep the last save
             say(f"\ninterrupted mid-step; the last checkpoint {run_dir / 'last.pt'} is from before it")
         else:
             run.save(epoch)
-            say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume {shlex.quote(str(run_dir))}")
+            say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume "
+                f"{shlex.quote(str(run_dir))}")
         raise
     finally:
         _given_back(given)

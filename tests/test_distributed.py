@@ -180,6 +180,28 @@ def test_every_rank_stops_at_the_same_step_and_fewer_processes_resume(stoppable,
     assert _close(ref, _losses(run)), (ref, _losses(run))
 
 
+def test_a_signal_that_lands_while_the_ranks_agree_stops_them_at_the_next_agreement(monkeypatch):
+    """The all-reduce of the stop flag waits for the other ranks, so a signal often lands inside it.
+    Its result used to be stored over the flag, and the signal was lost (CI saw an orphaned run train on)."""
+    import signal
+    from trainfast.train.trainer import _Interrupts
+    interrupts = _Interrupts(False, distributed.World(rank=0, size=2))
+    seen = []
+
+    def agree(values, world):  # the other rank has had no signal; ours lands mid-collective on the first call
+        seen.append(values[0])
+        if len(seen) == 1:
+            interrupts._handler(signal.SIGTERM, None)
+        return list(values)
+    monkeypatch.setattr(distributed, "sum_all", agree)
+    with interrupts.step():
+        pass
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.step():
+            pass
+    assert seen == [0.0, 1.0]
+
+
 def test_a_global_batch_that_does_not_split_is_one_line():
     from trainfast.config import Speed
     from trainfast.train.trainer import _elastic
@@ -251,7 +273,7 @@ def test_workers_whose_torchrun_is_killed_save_and_stop(stoppable, tmp_path):
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                               "-m", "trainfast", "train", str(train.path), "--model", f"{model}:small", "--epochs", "200",
                               "--no-tune", "--batch-size", "16", "--threads", "1", "--run-dir", str(run), *COMMON],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr", "w"))
 
     def workers():
         found = []
@@ -263,17 +285,22 @@ def test_workers_whose_torchrun_is_killed_save_and_stop(stoppable, tmp_path):
             if str(run).encode() in cmd and b"torch.distributed.run" not in cmd:
                 found.append(int(pid))
         return found
-    deadline = time.monotonic() + 120
-    while not (run / "metrics.csv").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)  # some steps in
-    assert len(workers()) == 2
-    agent.send_signal(signal.SIGKILL)
-    agent.wait()
-    deadline = time.monotonic() + 30
-    while workers() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not workers(), "the workers trained on as orphans"
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # some steps in
+        assert len(workers()) == 2
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 60
+        while workers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not workers(), "the workers trained on as orphans:\n" + (tmp_path / "stderr").read_text()[-3000:]
+    finally:  # never leave them running for the tests after this one
+        agent.kill()
+        for pid in workers():
+            os.kill(pid, signal.SIGKILL)
     import torch
     assert torch.load(run / "last.pt", weights_only=True)["state"]["step"] > 0  # rank 0 saved where they stopped
 

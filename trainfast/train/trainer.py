@@ -223,13 +223,16 @@ class _Interrupts:
             yield
         finally:
             self.holding = False
-        if self.world is not None:  # the ranks stop together, at a step where they agree
-            self.steps += 1
-            if self.steps % self.agree_every:
-                return
-            self.pending = distributed.sum_all([float(self.pending)], self.world)[0] > 0  # one rank's signal stops all
-        if self.pending:
+        if self.world is None:
+            if self.pending:
+                raise KeyboardInterrupt
+            return
+        self.steps += 1  # the ranks stop together, at a step where they agree: one rank's signal stops all
+        if self.steps % self.agree_every == 0 and distributed.sum_all([float(self.pending)], self.world)[0] > 0:
             raise KeyboardInterrupt
+        # `pending` is only ever set by the handler, never written here: a signal that lands while the
+        # ranks agree (they wait for each other in the all-reduce) counts at the next agreement. Storing
+        # the agreement's result in it used to lose such a signal, and an orphaned run trained on.
 
 
 def _check_config(cfg: TrainConfig) -> None:

@@ -732,3 +732,43 @@ def test_an_edited_epoch_count_in_config_json_is_one_line(digits_packs, small_ne
     err = capsys.readouterr().err
     assert "config.json plans 5 epochs, but the run's learning-rate schedule was made for 1" in err
     assert err.count("\n") == 1
+
+
+def test_a_stale_cached_choice_is_re_tuned_by_the_run_that_finds_it(digits_packs, small_net_file, tmp_path, monkeypatch):
+    """A cached choice timed far faster than the run trains (a stale cache on a quiet machine):
+    the run measures again at its own batch and goes on with what it finds; config.json says
+    it, so a resume goes on with it too."""
+    import json
+    from trainfast import tuning
+
+    train, _ = digits_packs
+    monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path / "cache"))
+    other_load(monkeypatch, 0.0, machine_cores=None)  # quiet, whatever this machine is doing
+    said = []
+    model = f"{small_net_file}:small"
+    fit(model, train, epochs=1, device="cpu", run_dir=tmp_path / "first", progress=False, log=said.append)
+    cache = json.loads((tmp_path / "cache" / "tune.json").read_text())
+    for entry in cache.values():  # as if the machine had been 100× faster when it was timed
+        for row in entry["rows"]:
+            row["images_per_s"] = row["images_per_s"] and row["images_per_s"] * 100
+    (tmp_path / "cache" / "tune.json").write_text(json.dumps(cache))
+
+    real, retuned = tuning.tune, []
+
+    def tune(model, shape, **kw):  # the re-tune finds the other memory format fastest
+        if not kw.get("retune"):
+            return real(model, shape, **kw)
+        first = Speed(**next(iter(cache.values()))["best"])
+        new = replace(first, channels_last=not first.channels_last, compile=False)
+        retuned.append(kw["batch_size"])
+        return tuning.TuneResult(new, [tuning.Trial(new, 5000.0, 2.3)])
+    monkeypatch.setattr(tuning, "tune", tune)
+    said.clear()
+    run = tmp_path / "run"
+    r = fit(model, train, epochs=3, device="cpu", run_dir=run, progress=False, log=said.append)
+    first = Speed(**next(iter(cache.values()))["best"])
+    assert any("looks stale" in m for m in said) and retuned == [first.batch_size]
+    assert any(m.startswith(f"re-tuned at batch {first.batch_size}") and "training on with" in m for m in said), said
+    assert r.stopped == "finished" and len(r.history) == 3 and r.speed.channels_last != first.channels_last
+    assert all(math.isfinite(row["train_loss"]) for row in r.history)
+    assert Speed(**json.loads((run / "config.json").read_text())["speed"]) == r.speed

@@ -571,26 +571,77 @@ RATE_OFF = 0.6
 (tune times in-memory batches; on 2 cores the plate demo's epochs run at about 0.8× of it)."""
 
 
-def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say) -> None:
+def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say) -> bool:
     """Compare an epoch's images/s with what tune timed for the run's setting; where it is far
     below, say why it may be: other processes' load during the epoch, or a stale cached choice
-    (then dropped from the cache, so that the next run measures again)."""
+    (then dropped from the cache, so that no run uses it again). True for a stale cached choice."""
     from trainfast.tuning import forget
 
     rate = _timed_rate(tried, speed.label())
     if rate is None or row["images_per_s"] >= RATE_OFF * rate:
-        return
+        return False
     said = (f"epoch {row['epoch'] + 1} trained at {units.rate(row['images_per_s'])} images/s, "
             f"{row['images_per_s'] / rate:.2f}× the {units.rate(rate)} tune timed for {speed.label()}")
     if hardware.is_busy(row.get("other_cores")):
         say(f"note: {said}: other processes kept {row['other_cores']:.1f} cores busy during it")
     elif tuned.cached:
         forget(tuned)
-        say(f"note: {said} on a quiet machine: the cached choice looks stale; dropped from the cache, so the next "
-            "run measures again (--retune measures now)")
+        say(f"note: {said} on a quiet machine: the cached choice looks stale; dropped from the cache")
+        return True
     else:
         say(f"note: {said}: the data path or the model's own work outside tune's in-memory timing costs that much "
             "more; `trainfast doctor` shows where the time goes")
+    return False
+
+
+def _retune(run: "_Run", given: torch.nn.Module, pk: Pack, pin: dict, images: int, budget_share: float, say) -> None:
+    """A stale cached choice, found by the run that uses it: tune measures again now, at the
+    run's batch (its schedule, loader position and learning rate are made for it), within
+    budget_share of the `images` left to train, and the run goes on with what it finds from
+    the next epoch: precision, memory format, rewrites, compile. Rewrites already applied stay
+    (they are exact, and cannot be taken out); config.json records the new setting, so a resume
+    goes on with it. The run's random streams are left as they were."""
+    from trainfast.models import rewrite
+    from trainfast.tuning import tune as _tune
+
+    old = run.speed
+    if run.world.distributed:
+        say("the next run measures again (under torchrun every rank would have to switch at once)")
+        return
+    if run.cfg.deterministic:
+        say("the next run measures again (a --deterministic run keeps its settings)")
+        return
+    h, w, c = pk.shape
+    probe = copy.deepcopy(given).to(memory_format=torch.contiguous_format)  # the model as the first tune saw it
+    t = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        result = _tune(probe, (c, h, w), device=run.dev, batch_size=old.batch_size, planned_images=images,
+                       budget_share=budget_share, try_compile=pin.get("compile", True),
+                       try_rewrites="rewrites" not in pin, retune=True, log=lambda m: None)
+    rows = [r.to_dict() for r in result.rows]
+    new = replace(result.best if "compile" in pin else _pays(result.best, rows, images, say), **pin)
+    new = replace(new, rewrites=new.rewrites or old.rewrites)
+    took = time.perf_counter() - t
+    if new.label() == old.label():
+        say(f"re-tuned at batch {old.batch_size} in {took:.1f} s: {old.label()} is still the fastest setting here")
+        return
+    rewrite.apply(run.net, new.rewrites)
+    _step.prepare(run.net, new, run.dev)
+    if old.channels_last and not new.channels_last:
+        run.net.to(memory_format=torch.contiguous_format)
+    for p, kept in run.opt.state.items():  # the optimizer's moments in their parameter's new memory format
+        for k, v in kept.items():
+            if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
+                kept[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
+    run.trained = _step.compile_model(run.net, run.dev) if new.compile else run.net
+    run.scaler = _step.make_scaler(new, run.dev)
+    run.speed = new
+    rate = _timed_rate(rows, new.label())
+    say(f"re-tuned at batch {old.batch_size} in {took:.1f} s: training on with {new.label()}"
+        f"{f' ({units.rate(rate)} images/s as timed)' if rate else ''}, was {old.label()}")
+    if run.world.is_main:
+        config = json.loads((run.run_dir / "config.json").read_text())
+        files.write_text(run.run_dir / "config.json", json.dumps({**config, "speed": new.to_dict()}, indent=1))
 
 
 def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: int) -> TrainConfig:
@@ -1099,7 +1150,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     break
                 if check_rate and (epoch >= 1 or state["epoch"] >= cfg.epochs):  # past the first epoch's warm-up
                     check_rate = False
-                    _check_tuned_rate(tuned, tune_table, speed, row, say)
+                    if _check_tuned_rate(tuned, tune_table, speed, row, say) and state["epoch"] < cfg.epochs:
+                        _retune(run, given, train_pk, pin, n_train * (cfg.epochs - state["epoch"]), cfg.tune_share,
+                                say)
                 if deadline and state["epoch"] < cfg.epochs:
                     now = _now()
                     more = int((deadline - now) // max(now - began, 1e-9))
@@ -1146,4 +1199,4 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
             run.plot(force=True)
         if not lost:  # with a process gone, no collective can complete
             distributed.barrier(world)
-    return FitResult(run_dir, log_csv.rows, state["best"], speed, stopped, given)
+    return FitResult(run_dir, log_csv.rows, state["best"], run.speed, stopped, given)

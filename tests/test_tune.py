@@ -376,3 +376,29 @@ def test_a_slow_probe_does_not_decide_the_first_batch():
             _time.sleep(0.05 if x.shape[0] > 4 else 0.4)  # the probe's batch runs slowly, as beside a busy neighbour
             return self.conv(x).mean((2, 3))
     assert tune_mod.start_batch_for(Slow(), (3, 8, 8), torch.device("cpu"), 512) == 64
+
+
+def test_on_a_busy_machine_a_compile_is_expected_to_take_longer(monkeypatch):
+    """A compile's workers share the cores with the other programs: with one of two cores held,
+    the tune expects twice COMPILE_GUESS_S, and does not begin a compile that would then end
+    past its bound (a standalone tune under load used to run 71 s against its 60)."""
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
+    now = [0.0]
+    monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
+    fake = _fake([])
+
+    def measure(model, shape, out, speed, device):
+        now[0] += 1.0 + (tune_mod.COMPILE_GUESS_S if speed.compile else 0.0)
+        return fake(model, shape, out, speed, device)
+
+    def compiled(load, limit):
+        other_load(monkeypatch, load)
+        now[0] = 0.0
+        r = tune(_net(), (3, 8, 8), device="cpu", measure=measure, max_seconds=limit, retune=True, log=lambda m: None)
+        before = next((i for i, t in enumerate(r.rows) if t.speed.compile), None)
+        return before if any(t.speed.compile and t.images_per_s for t in r.rows) else None
+    for load in (0.0, 1.0):
+        n = compiled(load, 1000)  # timings before the compile, with no bound
+        assert n is not None
+        limit = n + 1 + tune_mod.COMPILE_GUESS_S * 1.5  # room for a quiet guess, not for twice it
+        assert (compiled(load, limit) is not None) == (load == 0.0), load

@@ -16,3 +16,10 @@ def rate(x: float) -> str:
 def ms(s: float) -> str:
     """Seconds as milliseconds with 3 significant digits: 0.0202 ms, 0.724 ms, 55.7 ms, 1,234 ms."""
     return rate(s * 1e3)
+
+
+def minutes(m: float) -> str:
+    """A time budget in words: '5 minutes', '2.2 minutes', '8.4 s'."""
+    if m < 1:
+        return f"{60 * m:.3g} s"
+    return f"{m:.3g} minute{'s' * (m != 1)}"

@@ -614,7 +614,8 @@ def _retune(run: "_Run", given: torch.nn.Module, pk: Pack, pin: dict, images: in
     h, w, c = pk.shape
     probe = copy.deepcopy(given).to(memory_format=torch.contiguous_format)  # the model as the first tune saw it
     t = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
+    gpus = [run.dev.index if run.dev.index is not None else torch.cuda.current_device()] if run.dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):  # NOTE: the CUDA branch has not run on a GPU
         result = _tune(probe, (c, h, w), device=run.dev, batch_size=old.batch_size, planned_images=images,
                        budget_share=budget_share, try_compile=pin.get("compile", True),
                        try_rewrites="rewrites" not in pin, retune=True, log=lambda m: None)
@@ -654,7 +655,7 @@ def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: in
     run.state["shortened"] = {"epochs": new.epochs, "steps": steps, "lrs": lrs}
     run.cfg = new
     run.save(epoch)
-    run.say(f"time budget: epoch {epoch + 1} took {epoch_s:.1f} s, so {more} more fit the {cfg.minutes:g} minutes: "
+    run.say(f"time budget: epoch {epoch + 1} took {epoch_s:.1f} s, so {more} more fit the {units.minutes(cfg.minutes)}: "
             f"{new.epochs} epochs instead of {cfg.epochs}, the learning rate annealed over them")
     return new
 
@@ -1158,7 +1159,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     more = int((deadline - now) // max(now - began, 1e-9))
                     if more <= 0:
                         stopped = "out-of-time"
-                        say(f"time budget: {cfg.minutes:g} minutes spent; stopping after epoch {epoch + 1} of "
+                        say(f"time budget: {units.minutes(cfg.minutes)} spent; stopping after epoch {epoch + 1} of "
                             f"{cfg.epochs}")
                         break
                     if state["epoch"] + more < cfg.epochs:

@@ -642,7 +642,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     if fewer:
         log(f"  other processes keep {other:.1f} of {hardware.usable_cores()} cores busy: timing with {fewer} "
             f"thread{'s' * (fewer != 1)} (the cores left free), not {threads}")
-    if hardware.is_busy(other):  # a compile's workers share the cores too: a standalone tune's bound held 71 s vs 60
+    if hardware.is_busy(other):  # a compile's workers share the cores too (a bounded tune ran 71 s against 60)
         cores = hardware.usable_cores()
         bench.slowdown = cores / max(cores - other, 1.0)
     search = (_CudaSearch if cuda else _CpuSearch)(bench, batch_size=batch_size, max_batch=max_batch,

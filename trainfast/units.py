@@ -19,7 +19,7 @@ def ms(s: float) -> str:
 
 
 def minutes(m: float) -> str:
-    """A time budget in words: '5 minutes', '2.2 minutes', '8.4 s'."""
+    """A time budget in words: '5 minutes', '2.18 minutes', '8.38 s'."""
     if m < 1:
         return f"{60 * m:.3g} s"
     return f"{m:.3g} minute{'s' * (m != 1)}"

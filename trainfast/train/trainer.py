@@ -614,7 +614,8 @@ def _retune(run: "_Run", given: torch.nn.Module, pk: Pack, pin: dict, images: in
     h, w, c = pk.shape
     probe = copy.deepcopy(given).to(memory_format=torch.contiguous_format)  # the model as the first tune saw it
     t = time.perf_counter()
-    gpus = [run.dev.index if run.dev.index is not None else torch.cuda.current_device()] if run.dev.type == "cuda" else []
+    gpus = [] if run.dev.type != "cuda" else [run.dev.index if run.dev.index is not None else
+                                               torch.cuda.current_device()]
     with torch.random.fork_rng(devices=gpus):  # NOTE: the CUDA branch has not run on a GPU
         result = _tune(probe, (c, h, w), device=run.dev, batch_size=old.batch_size, planned_images=images,
                        budget_share=budget_share, try_compile=pin.get("compile", True),
@@ -655,7 +656,8 @@ def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: in
     run.state["shortened"] = {"epochs": new.epochs, "steps": steps, "lrs": lrs}
     run.cfg = new
     run.save(epoch)
-    run.say(f"time budget: epoch {epoch + 1} took {epoch_s:.1f} s, so {more} more fit the {units.minutes(cfg.minutes)}: "
+    run.say(f"time budget: epoch {epoch + 1} took {epoch_s:.1f} s, so {more} more fit the "
+            f"{units.minutes(cfg.minutes)}: "
             f"{new.epochs} epochs instead of {cfg.epochs}, the learning rate annealed over them")
     return new
 
@@ -1152,8 +1154,10 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                 if check_rate and (epoch >= 1 or state["epoch"] >= cfg.epochs):  # past the first epoch's warm-up
                     check_rate = False
                     if _check_tuned_rate(tuned, tune_table, speed, row, say) and state["epoch"] < cfg.epochs:
+                        t = _now()
                         _retune(run, given, train_pk, pin, n_train * (cfg.epochs - state["epoch"]), cfg.tune_share,
                                 say)
+                        began += _now() - t  # the time budget's epoch time is the epoch's, not the re-tune's
                 if deadline and state["epoch"] < cfg.epochs:
                     now = _now()
                     more = int((deadline - now) // max(now - began, 1e-9))

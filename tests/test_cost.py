@@ -157,3 +157,30 @@ def test_one_number_head_reach_is_measured():
     with torch.no_grad():
         scaled.scalar.weight.fill_(0.0)  # every image gives the same number: one class on top
     assert not any("lines over its single input" in f for f in measured_findings(scaled, x)[0])
+
+
+class _FixedSize(nn.Module):
+    """Built for one input size, as timm's and torchvision's ViTs and Mixers are: the check is
+    the model's own code (an assertion), not a layer's."""
+
+    def __init__(self, check_after_conv: bool = False):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 10)
+        self.after = check_after_conv
+
+    def forward(self, x):
+        if not self.after:
+            assert x.shape[-1] == 224, f"Input width ({x.shape[-1]}) doesn't match model (224)."
+        x = self.conv(x)
+        if self.after:
+            assert x.shape[-1] == 224, "Wrong image width!"
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_model_whose_own_code_refuses_the_input_size_is_one_line_too():
+    import pytest
+    with pytest.raises(ValueError, match=r"^the model fails on input \(3, 32, 32\) before its first layer: "
+                                         r"AssertionError: Input width \(32\) doesn't match model \(224\)\.$"):
+        layer_costs(_FixedSize(), (3, 32, 32))
+    with pytest.raises(ValueError, match=r"fails on input \(3, 32, 32\) after layer conv: AssertionError: Wrong"):
+        layer_costs(_FixedSize(check_after_conv=True), (3, 32, 32))

@@ -157,6 +157,14 @@ def test_model_failing_on_shape_names_the_layer(tmp_path):
         doctor(Wrong(), x, steps=1, warmup=0, device="cpu")
 
 
+def test_a_model_built_for_another_input_size_is_one_line(pack):
+    """timm's Mixer and torchvision's ViT assert their input size in their own forward: the
+    doctor used to let that AssertionError out as a traceback."""
+    from test_cost import _FixedSize
+    with pytest.raises(TrainfastError, match=r"before its first layer: AssertionError: Input width"):
+        doctor(_FixedSize(), pack, steps=1, warmup=0, device="cpu", progress=False, log=lambda m: None)
+
+
 def test_cli_text_report(pack, capsys):
     assert main(["doctor", "--model", "plate_cnn", "--data", str(pack.path), "--steps", "2", "--device", "cpu"]) == 1
     assert "the model takes 3×64×128" in capsys.readouterr().err

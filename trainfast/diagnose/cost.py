@@ -112,8 +112,11 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
     inputs: dict[str, tuple] = {}
     leaves = {n: m for n, m in model.named_modules() if not list(m.children())}
 
+    done: set[str] = set()
+
     def hook(name):
         def record(mod, args, out):
+            done.add(name)
             if isinstance(out, torch.Tensor):
                 shapes[name] = tuple(out.shape[1:])
             if args and isinstance(args[0], torch.Tensor):
@@ -134,12 +137,15 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
     try:
         with torch.no_grad():
             counts = _count(model, x, backward=False)
-    except RuntimeError as e:
-        where = failing[-1] if failing else "the first layer"
-        got = inputs.get(where) or (tuple(x.shape[1:]) if not failing else "?")
-        kind = type(leaves[where]).__name__ if where in leaves else ""
-        raise ValueError(f"the model fails on input {tuple(input_shape)} at layer {where} ({kind}), "
-                         f"which received {got}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the user's forward raises (timm's size assertions too), in one line
+        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        if failing and failing[-1] not in done:  # a layer began and did not end: it failed
+            where = failing[-1]
+            got = inputs.get(where, "?")
+            place = f"at layer {where} ({type(leaves[where]).__name__}), which received {got}"
+        else:  # the model's own code between its layers (a size check, a reshape)
+            place = f"after layer {failing[-1]}" if failing else "before its first layer"
+        raise ValueError(f"the model fails on input {tuple(input_shape)} {place}: {why}") from None
     finally:
         for h in handles:
             h.remove()

@@ -429,6 +429,7 @@ class _Run:
     log_csv: MetricsLog
     sequence: bool
     plotted: tuple[int, float]  # rows drawn in curves.png, and when (at the start: the rows resumed, now)
+    waited: float = 0.0  # seconds the last epoch's steps waited for the loader's batches
 
     def plot(self, force: bool = False) -> None:
         """Redraw curves.png with the rows so far: at most every PLOT_EVERY_S, and when `force`d
@@ -451,7 +452,9 @@ class _Run:
         started, done_before, steps = time.perf_counter(), loader.position, len(loader)
         bar = tqdm(total=steps, initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
                    disable=not (progress and self.world.is_main), dynamic_ncols=True, leave=True)
+        waited, ready = 0.0, time.perf_counter()
         for x, y in loader:
+            waited += time.perf_counter() - ready
             with interrupts.step():
                 loss, out = _step.forward_loss(self.trained, x, y, speed, self.dev, cfg.label_smoothing)
                 _step.backward(loss, self.scaler)
@@ -467,6 +470,8 @@ class _Run:
             if state["step"] % self.watch.every == 0 or bar.n == steps:
                 rate = (bar.n - done_before) * speed.batch_size * self.world.size / (time.perf_counter() - started)
                 bar.set_postfix_str(f"loss {self.watch.loss:.3f}, {units.rate(rate)} img/s", refresh=False)
+            ready = time.perf_counter()
+        self.waited = waited
         self.check(epoch)
         bar.close()
         images = (steps - done_before) * speed.batch_size * self.world.size
@@ -571,10 +576,12 @@ RATE_OFF = 0.6
 (tune times in-memory batches; on 2 cores the plate demo's epochs run at about 0.8× of it)."""
 
 
-def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say) -> bool:
+def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say, waited: float = 0.0) -> bool:
     """Compare an epoch's images/s with what tune timed for the run's setting; where it is far
-    below, say why it may be: other processes' load during the epoch, or a stale cached choice
-    (then dropped from the cache, so that no run uses it again). True for a stale cached choice."""
+    below, say why it may be: other processes' load during the epoch, the data path (`waited`:
+    the epoch's seconds spent waiting for batches; without them the steps kept up), or a stale
+    cached choice (then dropped from the cache, so that no run uses it again). True for a
+    stale cached choice."""
     from trainfast.tuning import forget
 
     rate = _timed_rate(tried, speed.label())
@@ -582,8 +589,12 @@ def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say) ->
         return False
     said = (f"epoch {row['epoch'] + 1} trained at {units.rate(row['images_per_s'])} images/s, "
             f"{row['images_per_s'] / rate:.2f}× the {units.rate(rate)} tune timed for {speed.label()}")
+    stepping = row["images_per_s"] * row["seconds"] / max(row["seconds"] - waited, 1e-9)  # the rate without waits
     if hardware.is_busy(row.get("other_cores")):
         say(f"note: {said}: other processes kept {row['other_cores']:.1f} cores busy during it")
+    elif stepping >= RATE_OFF * rate:
+        say(f"note: {said}: its steps waited {waited:.1f} s of {row['seconds']:.1f} s for batches (without the waits: "
+            f"{units.rate(stepping)} images/s); `trainfast doctor` shows where the data path's time goes")
     elif tuned.cached:
         forget(tuned)
         say(f"note: {said} on a quiet machine: the cached choice looks stale; dropped from the cache")
@@ -1153,7 +1164,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     break
                 if check_rate and (epoch >= 1 or state["epoch"] >= cfg.epochs):  # past the first epoch's warm-up
                     check_rate = False
-                    if _check_tuned_rate(tuned, tune_table, speed, row, say) and state["epoch"] < cfg.epochs:
+                    if _check_tuned_rate(tuned, tune_table, speed, row, say, run.waited) and \
+                            state["epoch"] < cfg.epochs:
                         t = _now()
                         _retune(run, given, train_pk, pin, n_train * (cfg.epochs - state["epoch"]), cfg.tune_share,
                                 say)

@@ -215,14 +215,13 @@ def main(argv=None) -> None:
             print(f"{name:28s} {target:9.1%} {fit_acc:>8s} {tp:10.1f}s {(f'{tf:.1f}s' if tf else '—'):>9s} "
                   f"{ratio:>10s} {p['images_per_s']:11.0f} {rate:>9s}  {f.get('speed', f.get('error', ''))[:90]}",
                   flush=True)
-    results_ = results
-    results = {n: r for n, r in results_.items() if "target" in r}  # both sides trained
-    ok = [n for n, r in results.items() if r["fit"]["acc"] and r["fit"]["acc"][-1] >= r["target"] - 0.01]
-    faster = [n for n, r in results.items() if r["fit_s"] is not None and r["fit_s"] <= r["plain_s"]]
-    print(f"fit's held-out accuracy ≥ the plain loop's − 1 point: {len(ok)} of {len(results)}; "
-          f"at the plain loop's final accuracy no later than it: {len(faster)} of {len(results)}")
+    both = {n: r for n, r in results.items() if "target" in r}  # both sides trained
+    ok = [n for n, r in both.items() if r["fit"]["acc"] and r["fit"]["acc"][-1] >= r["target"] - 0.01]
+    faster = [n for n, r in both.items() if r["fit_s"] is not None and r["fit_s"] <= r["plain_s"]]
+    print(f"fit's held-out accuracy ≥ the plain loop's − 1 point: {len(ok)} of {len(both)}; "
+          f"at the plain loop's final accuracy no later than it: {len(faster)} of {len(both)}")
     if a.json:
-        a.json.write_text(json.dumps(results_, indent=1))
+        a.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -563,10 +563,11 @@ def test_an_epoch_far_slower_than_tune_timed_is_said_and_a_stale_cached_choice_d
                               said.append)
     assert "0.30× the 1,000 tune timed" in said[-1] and "other processes kept 1.5 cores busy" in said[-1]
     assert not dropped  # the load explains it: the choice stays
-    slow_data = {"epoch": 1, "images_per_s": 300.0, "seconds": 10.0, "other_cores": 0.0}
-    assert not trainer._check_tuned_rate(cached, tried, speed, slow_data, said.append, waited=6.0)
+    slow_data = {"epoch": 1, "images_per_s": 300.0, "seconds": 10.0, "other_cores": 0.0, "waited": 6.0}
+    assert not trainer._check_tuned_rate(cached, tried, speed, slow_data, said.append)
     assert not dropped and "its steps waited 6.0 s of 10.0 s for batches (without the waits: 750 images/s)" in said[-1]
-    assert trainer._check_tuned_rate(cached, tried, speed, slow_data, said.append, waited=1.0)  # the steps themselves
+    slow_steps = {**slow_data, "waited": 1.0}  # the steps themselves were slow
+    assert trainer._check_tuned_rate(cached, tried, speed, slow_steps, said.append)
     assert dropped == [cached] and "looks stale" in said[-1]
 
 

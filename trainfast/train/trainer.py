@@ -429,7 +429,6 @@ class _Run:
     log_csv: MetricsLog
     sequence: bool
     plotted: tuple[int, float]  # rows drawn in curves.png, and when (at the start: the rows resumed, now)
-    waited: float = 0.0  # seconds the last epoch's steps waited for the loader's batches
 
     def plot(self, force: bool = False) -> None:
         """Redraw curves.png with the rows so far: at most every PLOT_EVERY_S, and when `force`d
@@ -471,11 +470,11 @@ class _Run:
                 rate = (bar.n - done_before) * speed.batch_size * self.world.size / (time.perf_counter() - started)
                 bar.set_postfix_str(f"loss {self.watch.loss:.3f}, {units.rate(rate)} img/s", refresh=False)
             ready = time.perf_counter()
-        self.waited = waited
         self.check(epoch)
         bar.close()
         images = (steps - done_before) * speed.batch_size * self.world.size
-        return _epoch_row(epoch, state["partial"], self.sched, time.perf_counter() - started, images, self.world)
+        row = _epoch_row(epoch, state["partial"], self.sched, time.perf_counter() - started, images, self.world)
+        return {**row, "waited": waited}  # seconds the steps waited for batches (not a metrics.csv column)
 
     def end_epoch(self, epoch: int, row: dict) -> bool:
         """Validate, log, checkpoint; True when early stopping says to stop."""
@@ -576,10 +575,10 @@ RATE_OFF = 0.6
 (tune times in-memory batches; on 2 cores the plate demo's epochs run at about 0.8× of it)."""
 
 
-def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say, waited: float = 0.0) -> bool:
+def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say) -> bool:
     """Compare an epoch's images/s with what tune timed for the run's setting; where it is far
-    below, say why it may be: other processes' load during the epoch, the data path (`waited`:
-    the epoch's seconds spent waiting for batches; without them the steps kept up), or a stale
+    below, say why it may be: other processes' load during the epoch, the data path (the row's
+    `waited`: seconds spent waiting for batches; without them the steps kept up), or a stale
     cached choice (then dropped from the cache, so that no run uses it again). True for a
     stale cached choice."""
     from trainfast.tuning import forget
@@ -589,6 +588,7 @@ def _check_tuned_rate(tuned, tried: list[dict], speed: Speed, row: dict, say, wa
         return False
     said = (f"epoch {row['epoch'] + 1} trained at {units.rate(row['images_per_s'])} images/s, "
             f"{row['images_per_s'] / rate:.2f}× the {units.rate(rate)} tune timed for {speed.label()}")
+    waited = row.get("waited", 0.0)
     stepping = row["images_per_s"] * row["seconds"] / max(row["seconds"] - waited, 1e-9)  # the rate without waits
     if hardware.is_busy(row.get("other_cores")):
         say(f"note: {said}: other processes kept {row['other_cores']:.1f} cores busy during it")
@@ -612,7 +612,6 @@ def _retune(run: "_Run", given: torch.nn.Module, pk: Pack, pin: dict, images: in
     the next epoch: precision, memory format, rewrites, compile. Rewrites already applied stay
     (they are exact, and cannot be taken out); config.json records the new setting, so a resume
     goes on with it. The run's random streams are left as they were."""
-    from trainfast.models import rewrite
     from trainfast.tuning import tune as _tune
 
     old = run.speed
@@ -638,8 +637,7 @@ def _retune(run: "_Run", given: torch.nn.Module, pk: Pack, pin: dict, images: in
     if new.label() == old.label():
         say(f"re-tuned at batch {old.batch_size} in {took:.1f} s: {old.label()} is still the fastest setting here")
         return
-    rewrite.apply(run.net, new.rewrites)
-    _step.prepare(run.net, new, run.dev)
+    _step.prepare(run.net, new, run.dev)  # the rewrites, the memory format
     if old.channels_last and not new.channels_last:
         run.net.to(memory_format=torch.contiguous_format)
     for p, kept in run.opt.state.items():  # the optimizer's moments in their parameter's new memory format
@@ -1164,8 +1162,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     break
                 if check_rate and (epoch >= 1 or state["epoch"] >= cfg.epochs):  # past the first epoch's warm-up
                     check_rate = False
-                    if _check_tuned_rate(tuned, tune_table, speed, row, say, run.waited) and \
-                            state["epoch"] < cfg.epochs:
+                    if _check_tuned_rate(tuned, tune_table, speed, row, say) and state["epoch"] < cfg.epochs:
                         t = _now()
                         _retune(run, given, train_pk, pin, n_train * (cfg.epochs - state["epoch"]), cfg.tune_share,
                                 say)

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 
@@ -402,3 +404,64 @@ def test_on_a_busy_machine_a_compile_is_expected_to_take_longer(monkeypatch):
         assert n is not None
         limit = n + 1 + tune_mod.COMPILE_GUESS_S * 1.5  # room for a quiet guess, not for twice it
         assert (compiled(load, limit) is not None) == (load == 0.0), load
+
+
+def test_a_run_too_short_for_a_search_gets_one_quick_comparison(monkeypatch):
+    """fit's tune first times a few steps (the probe): where its share of the planned training
+    would not pay for a search's first two measurements, it compares only the likeliest winner
+    with that (taken where SHORT_GAIN× faster and sound), says why, and caches nothing (a
+    longer run searches). A long enough run searches as before, its budget counted from after
+    the probe."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    slow = _one_second_trials(monkeypatch)  # each measurement, the probe's too, takes 1 s of the tune's clock
+    tried, said = [], []
+
+    def probe(model, shape, out, speed, device):
+        tried.append(speed)
+        return slow(model, shape, out, speed, device)
+    # 10% of 4,000 images at the probe's 100 images/s is 4 s, against 2 × (0.8 s + 4 steps of 0.64 s) for two timings
+    r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=probe, planned_images=4_000,
+             budget_share=0.1, retune=True, log=said.append)
+    assert [s.label() for s in tried] == ["fp32 + batch 64", "bf16 + channels_last + batch 64"] and len(r.rows) == 2
+    assert r.best == tried[1]  # 3× the first setting's rate (the fake's bf16 × channels_last)
+    assert r.short.startswith("no search: ~40 s of training planned") and r.short in r.table()
+    assert "one quick comparison instead" in r.short and "a quick timing" in r.table()
+    assert any(m.strip().startswith("no search") for m in said)
+    again = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=probe, planned_images=4_000,
+                 budget_share=0.1, log=lambda m: None)
+    assert not again.cached and len(tried) == 4  # not cached: measured again
+
+    def unsound(model, shape, out, speed, device):  # bf16's loss is off: the first setting stays
+        t = probe(model, shape, out, speed, device)
+        return replace(t, loss=9.0) if speed.precision == "bf16" else t
+    r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=unsound, planned_images=4_000,
+             budget_share=0.1, retune=True, log=lambda m: None)
+    assert r.short and r.best.label() == "fp32 + batch 64"
+    tried.clear()
+    r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=probe, planned_images=14_400,
+             budget_share=0.1, retune=True, log=lambda m: None)
+    assert len(tried) == 1 and not r.short and r.budget_s == 5.0  # as without the probe (the budget test above)
+    assert len([t for t in r.rows if t.images_per_s]) == 5
+
+
+def test_tune_times_the_optimizer_the_run_uses(monkeypatch):
+    """Each timed step includes the run's update (fused AdamW by default); the choice is cached
+    per optimizer."""
+    from trainfast import step
+
+    made = []
+    real = step.make_optimizer
+    monkeypatch.setattr(step, "make_optimizer", lambda name, *a, **k: (made.append(name), real(name, *a, **k))[1])
+    t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), tune_mod.Speed(batch_size=8), torch.device("cpu"),
+                               steps=2, min_seconds=0.0, optimizer="rmsprop")
+    assert t.images_per_s and made == ["rmsprop"]
+    r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=_fake([]), try_compile=False, retune=True,
+             log=lambda m: None)
+    other = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=_fake([]), try_compile=False,
+                 optimizer="sgd", log=lambda m: None)
+    assert not other.cached and other.key != r.key
+    import pytest
+
+    from trainfast.errors import TrainfastError
+    with pytest.raises(TrainfastError, match="optimizer must be one of sgd, adamw, rmsprop, not 'adam'"):
+        tune(_net(), (3, 8, 8), device="cpu", optimizer="adam", log=lambda m: None)

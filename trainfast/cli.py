@@ -194,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--no-compile", action="store_true", help="do not try torch.compile (slow to compile on CPU)")
     tu.add_argument("--no-rewrites", action="store_true", help="do not try the exact model rewrites "
                     "(pool_before_relu, inplace_relu, cheap_dropout; see docs/MODELS.md)")
+    tu.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                    help="the optimizer the training will use: each timed step includes its update, whose cost per "
+                         "image falls as the batch grows (default: adamw, as train's)")
     tu.add_argument("--retune", action="store_true", help="measure again instead of using the cached choice")
     tu.add_argument("--max-seconds", type=_positive_float, default=None, metavar="S",
                     help="stop timing new settings after S seconds and keep the fastest timed so far; what was "
@@ -402,7 +405,7 @@ def _cmd_tune(a) -> ExitStatus:
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     result = tune(model, shape, device=a.device, batch_size=a.batch_size, max_batch=a.max_batch, images=a.images,
                   max_seconds=a.max_seconds, try_compile=not a.no_compile, try_rewrites=not a.no_rewrites,
-                  retune=a.retune, log=log)
+                  optimizer=a.optimizer, retune=a.retune, log=log)
     print(result.table())
     return ExitStatus.OK
 

@@ -85,6 +85,27 @@ def write_whole(path: Path, write) -> None:
         raise
 
 
+def link_whole(src: Path, dst: Path) -> bool:
+    """Give the complete file `src` (one write_whole made) the second name `dst`: a hard link
+    under a temporary name, renamed over `dst`, so that a reader never sees half a file and a
+    link at `dst` is replaced, not written through. A later write_whole of either name puts a
+    new file there and leaves the other as it was. False where the file system has no hard
+    links (or the link fails for another reason): the caller writes `dst` itself."""
+    src, dst = Path(src), Path(dst)
+    tmp = dst.parent / f".{dst.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    try:
+        os.link(src, tmp)
+    except OSError:
+        return False
+    try:
+        os.replace(tmp, dst)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+    return True
+
+
 def write_text(path: Path, text: str) -> None:
     write_whole(path, lambda f: f.write(text.encode("utf-8")))
 

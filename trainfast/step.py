@@ -246,6 +246,30 @@ def backward(loss: torch.Tensor, scaler=None) -> None:
     (scaler.scale(loss) if scaler is not None else loss).backward()
 
 
+def make_optimizer(name: str, params, lr: float, device: torch.device, momentum: float = 0.9,
+                   weight_decay: float = 5e-4) -> torch.optim.Optimizer:
+    """The run's optimizer: "sgd" (Nesterov momentum), "adamw" or "rmsprop". tune times its
+    candidates with the same one the run will use (its cost per image is part of a batch's).
+
+    NOTE: SGD and AdamW update all parameters in one fused kernel on CPU and CUDA where the
+    parameters are real floating point. torch's default AdamW on a CPU loops over the tensors:
+    27 ms a step for ResNet-18's 11M parameters on 2 cores against 4.8 ms fused (the whole
+    step at batch 32 takes 60-90 ms). On a GPU, small CNNs are bound by kernel launches, and
+    fusing saves a few per tensor. RMSprop has no fused form."""
+    params = list(params)
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    fused = {"fused": True} if device.type in ("cpu", "cuda") and tensors and all(
+        p.dtype.is_floating_point for p in tensors) else {}
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True, weight_decay=weight_decay, **fused)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **fused)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                   foreach=device.type == "cuda")
+    raise TrainfastError(f"optimizer must be one of sgd, adamw, rmsprop, not {name!r}")
+
+
 def optimizer_step(optimizer, scaler=None, clip: float = 0.0, model=None) -> None:
     if clip and model is not None:
         if scaler is not None:

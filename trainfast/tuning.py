@@ -26,6 +26,7 @@ machine's (a busy tune once chose batch 4 and a quiet run reused it at a quarter
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import math
 import statistics
@@ -37,7 +38,7 @@ import torch
 
 from trainfast import hardware, units
 from trainfast import step as _step
-from trainfast.config import Speed
+from trainfast.config import OPTIMIZERS, Speed
 from trainfast.diagnose.timing import step_breakdown, synthetic_batches, throughput
 from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
@@ -47,6 +48,8 @@ LOSS_BATCH = 8  # the images of that batch: the same for every candidate, whatev
 STANDALONE_S = 60.0  # a tune with no budget given (not fit's): its default bound, in seconds
 FINAL_ROUNDS = 2  # extra round-robin timings of each finalist
 MIN_SECONDS = 0.8  # the least time one timing spans
+QUICK_STEPS = 2  # the steps of fit's quick timing, which says whether its run is long enough to search
+SHORT_GAIN = 1.25  # a run too short to search takes the likeliest winner only this much faster (2-step timings)
 MAX_STEPS = 60
 COMPILE_GUESS_S = 8.0  # a torch.compile before one is timed: 7.6 s for plate_net, 12 s for cifar_cnn on 2 cores
 MAX_BATCH = {"cpu": 512, "cuda": 8192}  # the largest batch tried unless the caller bounds it
@@ -95,6 +98,7 @@ class TuneResult:
     other_cores: float | None = None  # cores other processes kept busy on average while it measured
     threads: int | None = None  # the CPU threads it timed with, where the load made it fewer than the default
     key: str = ""  # its entry in the cache (forget drops it)
+    short: str = ""  # why no search was made (a run too short for one to pay), in words; "" where one was
 
     @property
     def busy(self) -> bool:
@@ -140,6 +144,8 @@ class TuneResult:
         for r in self.rows:
             if not r.images_per_s:
                 lines.append(f"{'—':>4s}  {r.speed.label():{w}s} {'—':>9s} {'':>8s}  {r.note}")
+        if self.short:
+            lines.append(self.short)
         untimed = [lbl for lbl in dict.fromkeys(self.not_timed) if lbl not in timed]
         if untimed:
             lines.append(f"not timed, the tune's budget of {self.budget_s:.1f} s spent: " + ", ".join(untimed))
@@ -167,12 +173,13 @@ def _spread(trials: list[Trial]) -> str:
 
 
 def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5, warmup: int = 2,
-                  min_seconds: float = MIN_SECONDS) -> Trial:
+                  min_seconds: float = MIN_SECONDS, optimizer: str = "adamw") -> Trial:
     """Time training steps at `speed` on in-memory batches, after `warmup` of them: `steps`
     steps (fewer, but at least two, where those span 2 × min_seconds already), or more where
     those would span less than `min_seconds` (at most MAX_STEPS), issued
-    back to back as training issues them (timing.throughput). Also the first batch's loss,
-    from the model's own weights."""
+    back to back as training issues them (timing.throughput), each with an update by the
+    `optimizer` the run uses (its cost per step is part of what a batch size buys). Also the
+    first batch's loss, from the model's own weights."""
     net = copy.deepcopy(model)
     data = synthetic_batches(shape, out_shape, speed.batch_size, device, n=2)
     compile_s, threads = 0.0, torch.get_num_threads()
@@ -188,7 +195,7 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
             net = _step.compile_model(net, device)
             step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=0)
             compile_s = time.perf_counter() - t
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, fused=device.type == "cuda" or None)
+        opt = _step.make_optimizer(optimizer, net.parameters(), 1e-4, device)
         probe = step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=warmup, optimizer=opt)
         # At least min_seconds of steps, and `steps` of them unless two already span twice that (a
         # 512² CNN's 1-2 s steps: five of them made each candidate cost ~8 s of a tune's budget).
@@ -448,8 +455,12 @@ class _Search:
         self.try_rewrites, self.try_compile = try_rewrites, try_compile
         self.other, self.busy = other, hardware.is_busy(other)  # cores other processes held when the tune began
 
-    def reference(self) -> Trial:
+    def first_speed(self) -> Speed:
+        """The setting the search times first: fp32, plain layout, at its start batch."""
         raise NotImplementedError
+
+    def reference(self) -> Trial:
+        return self.bench.run(self.first_speed())
 
     def extra(self, best: Trial) -> Trial:
         return best
@@ -539,14 +550,14 @@ class _CpuSearch(_Search):
 
     precisions = ["bf16", "fp32"]
 
-    def reference(self) -> Trial:
+    def first_speed(self) -> Speed:
         # A step's allowance in the cores other processes leave free: on a busy machine the start
         # is the batch the quiet machine would start at (the 512² CNN at 8, not 4, beside one
         # spinning process), not one shrunk by the load.
         bench, cores = self.bench, hardware.physical_cores()
         allowance = START_STEP_S * cores / max(cores - (self.other or 0.0), 0.5) if self.busy else START_STEP_S
         start = self.pinned or start_batch_for(bench.model, bench.input_shape, bench.dev, self.max_batch, allowance)
-        return bench.run(Speed("fp32", False, batch_size=start))
+        return Speed("fp32", False, batch_size=start)
 
     def extra(self, best: Trial) -> Trial:
         cores = hardware.physical_cores()
@@ -563,16 +574,20 @@ class _CudaSearch(_Search):
 
     precisions = ["bf16", "fp16", "tf32", "fp32"]
 
+    def first_speed(self) -> Speed:
+        return Speed("fp32", False, batch_size=self.pinned or min(64, self.max_batch))
+
     def reference(self) -> Trial:
         if self.pinned:
-            return self.bench.run(Speed("fp32", False, batch_size=self.pinned))
-        return _fill(self.bench.run, min(64, self.max_batch), self.max_batch)
+            return self.bench.run(self.first_speed())
+        return _fill(self.bench.run, self.first_speed().batch_size, self.max_batch)
 
 
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
          max_batch: int | None = None, images: int | None = None, planned_images: int | None = None,
          budget_share: float = 0.0, max_seconds: float | None = None, try_compile: bool = True,
-         try_rewrites: bool = True, retune: bool = False, measure: Callable[..., Trial] | None = None,
+         try_rewrites: bool = True, optimizer: str = "adamw", retune: bool = False,
+         measure: Callable[..., Trial] | None = None, probe: Callable[..., Trial] | None = None,
          log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
@@ -598,7 +613,18 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             minutes on a laptop CPU); what it leaves out is listed.
         try_compile: include torch.compile of the winner (slow to compile on CPU).
         try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
+        optimizer: the one the training will use (fit's default, "adamw"; "sgd", "rmsprop"):
+            each timed step includes its update, whose cost per image falls as the batch grows.
         measure: replaces measure_trial (tests inject a fake clock here).
+        probe: replaces the quick timing (a few steps) with which fit's tune judges whether its
+            run is long enough for a search to pay (below); with `measure` given and no probe,
+            that judgement is not made.
+
+    A short run gets no search: given planned_images and budget_share (fit's tune), a quick
+    timing of the first setting says how long the training will take; where budget_share of
+    that would not pay for the search's first two measurements (on 2 CPU cores, 5 epochs of
+    1,400 small images: ~13 s of training against ~2.5 s of tuning), the run trains at that
+    setting and the table says why. Such a choice is not cached: a longer run searches.
 
     The load of other processes is measured before and during the search. On a CPU where they
     hold cores, the search times with the threads left free (hardware.free_threads: a thread
@@ -621,7 +647,9 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
     if try_rewrites and not any(rewrite.apply(copy.deepcopy(model), rewrite.ALL).values()):
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
-    key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch))
+    if optimizer not in OPTIMIZERS:
+        raise TrainfastError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
+    key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer))
     cache = hardware.read_cache("tune.json")
     if not retune and key in cache and _reusable(cache[key], planned_images, budget_share, max_seconds):
         c = cache[key]
@@ -629,16 +657,16 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
                           not_timed=c.get("not_timed", []), budget_s=c.get("budget_s"), key=key)
 
     out_shape = getattr(model, "output_shape", None) or tuple(first.shape[1:])
-    bench = _Bench(model, input_shape, out_shape, dev, measure or measure_trial, log, max_seconds=max_seconds,
+    if probe is None and measure is None:
+        probe = functools.partial(measure_trial, optimizer=optimizer, steps=QUICK_STEPS, warmup=1, min_seconds=0.0)
+    measure = measure or functools.partial(measure_trial, optimizer=optimizer)
+    bench = _Bench(model, input_shape, out_shape, dev, measure, log, max_seconds=max_seconds,
                    planned_images=planned_images, budget_share=budget_share)
     threads = torch.get_num_threads()
     other = hardware.other_cores_now() if dev.type == "cpu" else None
     fewer = hardware.free_threads(other, threads) if dev.type == "cpu" else threads
     fewer = fewer if fewer < threads else None
     cuda = dev.type == "cuda"
-    log(f"tuning on {dev}: {'the batch that fills the GPU, then ' if cuda and not batch_size else ''}"
-        f"precision × memory format{', rewrites' if try_rewrites else ''}, then batch size (up to {max_batch}), "
-        f"{'' if cuda else 'threads, '}a round-robin final{', compile' if try_compile else ''}")
     if fewer:
         log(f"  other processes keep {other:.1f} of {hardware.usable_cores()} cores busy: timing with {fewer} "
             f"thread{'s' * (fewer != 1)} (the cores left free), not {threads}")
@@ -650,6 +678,19 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     try:
         if fewer:
             torch.set_num_threads(fewer)
+        short = _short_run(probe, bench, search) if probe and planned_images and budget_share else None
+        if short:
+            rows, trial, why = short
+            for r in rows:
+                log(f"  {r.speed.label():53s} {units.rate(r.images_per_s) + ' images/s' if r.images_per_s else r.note}")
+            log(f"  {why}")
+            loads = [r.other_cores for r in rows if r.other_cores is not None]
+            return TuneResult(trial.speed, rows, seconds=_clock() - bench.started, threads=fewer, key=key, short=why,
+                              other_cores=max(loads) if loads else None)
+        log(f"tuning on {dev}: {'the batch that fills the GPU, then ' if cuda and not batch_size else ''}"
+            f"precision × memory format{', rewrites' if try_rewrites else ''}, then batch size (up to {max_batch}), "
+            f"{'' if cuda else 'threads, '}a round-robin final{', compile' if try_compile else ''}")
+        bench.started = _clock()  # the quick timing is not the search's: its budget counts from here
         with hardware.OtherLoad() as load:
             best = search.run()
     finally:
@@ -668,6 +709,47 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     cache[key] = entry
     hardware.write_cache("tune.json", cache)
     return result
+
+
+def _short_run(probe, bench: _Bench, search: "_Search") -> tuple[list[Trial], Trial, str] | None:
+    """(the quick timings, the faster, why no search) where the run fit's tune serves is too
+    short for a search to pay: budget_share of its planned training, at the rate a few steps
+    of the search's first setting run, would not cover the search's first two measurements
+    (each MIN_SECONDS plus four steps). Such a run is given one quick comparison instead: the
+    first setting against the likeliest winner (the fastest precision the device runs, in
+    channels_last), the latter taken only where it is SHORT_GAIN× faster with a sound loss.
+    None where the run is long enough, or the quick timing failed (the search then says why)."""
+    def quick(speed: Speed) -> Trial:
+        with hardware.OtherLoad() as load:
+            trial = probe(bench.model, bench.input_shape, bench.out_shape, speed, bench.dev)
+        trial.other_cores = load.cores
+        if trial.images_per_s:
+            trial.note = f"a quick timing, {QUICK_STEPS} steps"
+        return trial
+
+    first = search.first_speed()
+    ref = quick(first)
+    if not ref.images_per_s:
+        return None
+    plan = bench.planned_images / ref.images_per_s
+    search_s = 2 * (MIN_SECONDS + 4 * first.batch_size / ref.images_per_s)
+    share = bench.budget_share * plan
+    if share >= search_s:
+        return None
+    rows, best = [ref], ref
+    likely = next((Speed(p, True, batch_size=first.batch_size) for p in search.precisions
+                   if _step.check(Speed(p, True, batch_size=first.batch_size), bench.dev) is None), None)
+    if likely is not None and likely != first:
+        alt = quick(likely)
+        rows.append(alt)
+        sound = alt.loss is not None and ref.loss is not None and math.isfinite(alt.loss) and \
+            abs(alt.loss - ref.loss) <= LOSS_TOLERANCE * max(1.0, abs(ref.loss))
+        if alt.images_per_s and sound and alt.images_per_s >= SHORT_GAIN * ref.images_per_s:
+            best = alt
+    return rows, best, (f"no search: ~{plan:.0f} s of training planned, and a search takes ~{search_s:.1f} s, more "
+                        f"than the {bench.budget_share:.0%} of it ({share:.1f} s) a tune may take here; "
+                        f"{'one quick comparison instead' if len(rows) > 1 else 'a quick timing instead'}. "
+                        "A longer run (more epochs or images) searches")
 
 
 def forget(result: TuneResult) -> None:

@@ -103,16 +103,7 @@ def model_output(model: torch.nn.Module, pk: Pack, say=None) -> torch.Tensor:
 
 
 def _optimizer(params, cfg: TrainConfig, lr: float, device: torch.device):
-    # NOTE: on CUDA, SGD and AdamW update all parameters in one fused kernel instead of a few
-    # launches per tensor; small CNNs on a big GPU are bound by launches. RMSprop has no fused form.
-    fused = {"fused": True} if device.type == "cuda" else {}
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=True, weight_decay=cfg.weight_decay,
-                               **fused)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, **fused)
-    return torch.optim.RMSprop(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                               foreach=device.type == "cuda")
+    return _step.make_optimizer(cfg.optimizer, params, lr, device, cfg.momentum, cfg.weight_decay)
 
 
 def lr_factor(cfg: TrainConfig, step: int, total: int) -> float:
@@ -525,8 +516,11 @@ class _Run:
               "scaler": self.scaler.state_dict() if self.scaler is not None else None,
               "loader": {"seed": self.cfg.seed, "epoch": state["epoch"], "position": state["position"]},
               "rng": checkpoint.rng_state(self.dev), "state": state}
-        for fn in which:
-            checkpoint.save(self.run_dir / fn, ck)
+        first, *others = which
+        checkpoint.save(self.run_dir / first, ck)
+        for fn in others:  # the same checkpoint under a second name (best.pt): linked, not serialised again
+            if not files.link_whole(self.run_dir / first, self.run_dir / fn):
+                checkpoint.save(self.run_dir / fn, ck)
 
 
 def _epoch_row(epoch: int, partial: list[float], sched, seconds: float, images: int, world) -> dict:
@@ -629,7 +623,8 @@ def _retune(run: "_Run", given: torch.nn.Module, pk: Pack, pin: dict, images: in
     with torch.random.fork_rng(devices=gpus):  # NOTE: the CUDA branch has not run on a GPU
         result = _tune(probe, (c, h, w), device=run.dev, batch_size=old.batch_size, planned_images=images,
                        budget_share=budget_share, try_compile=pin.get("compile", True),
-                       try_rewrites="rewrites" not in pin, retune=True, log=lambda m: None)
+                       try_rewrites="rewrites" not in pin, optimizer=run.cfg.optimizer, retune=True,
+                       log=lambda m: None)
     rows = [r.to_dict() for r in result.rows]
     new = replace(result.best if "compile" in pin else _pays(result.best, rows, images, say), **pin)
     new = replace(new, rewrites=new.rewrites or old.rewrites)
@@ -672,7 +667,7 @@ def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: in
 
 
 def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
-           world_size: int = 1, budget_share: float = 0.0) -> tuple[Speed, list[dict], list, object]:
+           world_size: int = 1, budget_share: float = 0.0, optimizer: str = "adamw") -> tuple[Speed, list[dict], list, object]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
     the tune's time by budget_share of the planned training, a larger batch only where it is
@@ -688,7 +683,8 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
     limit = min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(per_process))
     result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"), max_batch=limit,
                    planned_images=per_process * epochs, budget_share=budget_share,
-                   try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, log=progress_log)
+                   try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, optimizer=optimizer,
+                   log=progress_log)
     say(result.table())
     best, front = result.best, []
     if "batch_size" not in pin:
@@ -1072,7 +1068,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     if speed is None:
         speed, tune_table, front, tuned = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
                                                  images=n_train, epochs=cfg.epochs, world_size=world.size,
-                                                 budget_share=cfg.tune_share) if tune \
+                                                 budget_share=cfg.tune_share, optimizer=cfg.optimizer) if tune \
             else (Speed(**pin), [], [], None)
     reason = _step.check(speed, dev)
     if reason:

@@ -829,3 +829,42 @@ def test_sgd_and_adamw_update_in_one_fused_kernel_and_as_torch_s_loop_does(devic
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     ints = [nn.Parameter(torch.zeros(3, dtype=torch.int64, device=dev), requires_grad=False)]
     assert not make_optimizer("adamw", ints, 1e-3, dev).defaults.get("fused")  # not real floating point: the loop
+
+
+def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_once_at_half(digits_packs, tmp_path, monkeypatch):
+    """The loss watch fires on a first attempt at the default rate: the run starts over from
+    its first weights at half that rate, in the same run directory, with the same settings,
+    once; the result is the run a user would get by asking for that rate. A rate the user gave
+    is kept (the watch warns, as before)."""
+    from trainfast.config import default_lr
+    from trainfast.train import trainer
+    train, test = digits_packs
+    fired = []
+
+    def watch(losses, epochs, classes, lr, *rest, **kw):  # "not learning" at the default rate only
+        if lr == default_lr("adamw", 64):
+            fired.append(lr)
+            return "the training loss has not left chance (a stand-in)."
+        return None
+    monkeypatch.setattr(trainer, "loss_watch", watch)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+                        nn.Linear(128, 10))
+    first = copy.deepcopy(net)
+    said, run = [], tmp_path / "run"
+    r = fit(net, train, test, epochs=3, speed=Speed(batch_size=64), device="cpu", run_dir=run, progress=False,
+            log=said.append)
+    half = default_lr("adamw", 64) / 2
+    assert fired and any("Starting over from the first weights at half the learning rate" in m for m in said)
+    assert r.stopped == "finished" and len(r.history) == 3 and r.model is net
+    assert json.loads((run / "config.json").read_text())["lr"] == pytest.approx(half)
+    assert len(list(csv.DictReader(open(run / "metrics.csv")))) == 3  # the first attempt's rows are gone
+    direct = fit(first, train, test, epochs=3, lr=half, speed=Speed(batch_size=64), device="cpu",
+                 run_dir=tmp_path / "direct", progress=False, log=lambda m: None)
+    for a, b in zip(net.state_dict().values(), direct.model.state_dict().values()):
+        torch.testing.assert_close(a, b)  # the same run as asking for half the rate from the same weights
+    fired.clear()
+    said.clear()
+    fit(copy.deepcopy(first), train, epochs=3, lr=default_lr("adamw", 64), speed=Speed(batch_size=64), device="cpu",
+        run_dir=tmp_path / "given", progress=False, log=said.append)
+    assert fired and not any("Starting over" in m for m in said)  # the user's rate: warned, trained on

@@ -140,6 +140,8 @@ def with_fit(net, train, test, epochs: int, cache: Path) -> dict:
 
     def log(msg):
         lines.append(str(msg))
+        if "Starting over from the first weights" in str(msg):
+            at.clear()  # the history is the second attempt's: its epochs' times, counted from the call
         if str(msg).startswith("epoch "):
             at.append(time.perf_counter() - start)
     try:

@@ -248,7 +248,8 @@ def _parser() -> argparse.ArgumentParser:
                          "the run is shortened to those that do, its learning rate annealed over them (default: none)")
     tr.add_argument("--no-loss-watch", action="store_true",
                     help="train on, without a word, when the loss stays at chance (ln K) after max(2, 30%%) of the "
-                         "epochs with every output frozen, or diverges (default: stop, and say why)")
+                         "epochs with every output frozen, or diverges (default: at the default learning rate, start "
+                         "over once from the first weights at half of it; then stop, and say why)")
     tr.add_argument("--device", default=None,
                     help="cpu, cuda or cuda:N (default: cuda if available; under torchrun, cuda:LOCAL_RANK)")
     tr.add_argument("--no-tune", action="store_true", help="do not tune; use fp32 defaults or what is pinned")

@@ -177,7 +177,8 @@ class TrainConfig:
     is shortened to the epochs that do, its learning rate annealed over the shorter plan."""
     loss_watch: bool = True
     """Say so when the training loss has not left chance (ln K) after max(2, 30%) of the epochs, or diverges; stop
-    the run where going on cannot help (a diverging loss, or every output frozen)."""
+    the run where going on cannot help (a diverging loss, or every output frozen). A first attempt at the default
+    learning rate (lr 0) starts over once instead, from its first weights, at half that rate."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -83,7 +83,8 @@ def main(argv=None) -> None:
                 rates["plain"].append(step_rate(net, lambda ps: torch.optim.AdamW(ps, lr=1e-3), batch, a.steps))
                 rates["fit"].append(step_rate(net, lambda ps: make_optimizer("adamw", ps, 1e-3, cpu), batch, a.steps))
             p, f = statistics.median(rates["plain"]), statistics.median(rates["fit"])
-            print(f"{head if batch == 32 else ' ' * len(head)}   {batch:5d} {p:10.0f} {f:6.0f} {f / p:5.2f}×", flush=True)
+            lead = head if batch == 32 else " " * len(head)
+            print(f"{lead}   {batch:5d} {p:10.0f} {f:6.0f} {f / p:5.2f}×", flush=True)
 
 
 if __name__ == "__main__":

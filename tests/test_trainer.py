@@ -557,11 +557,11 @@ def test_an_epoch_far_slower_than_tune_timed_is_said_and_a_stale_cached_choice_d
     dropped, said = [], []
     monkeypatch.setattr("trainfast.tuning.forget", dropped.append)
     cached = TuneResult(speed, cached=True)
-    trainer._check_tuned_rate(cached, tried, speed, {"epoch": 1, "images_per_s": 800.0, "seconds": 1.0, "other_cores": 0.0},
-                              said.append)
+    row = {"epoch": 1, "images_per_s": 800.0, "seconds": 1.0, "other_cores": 0.0}
+    trainer._check_tuned_rate(cached, tried, speed, row, said.append)
     assert not said and not dropped  # within RATE_OFF: nothing to say
-    trainer._check_tuned_rate(cached, tried, speed, {"epoch": 1, "images_per_s": 300.0, "seconds": 1.0, "other_cores": 1.5},
-                              said.append)
+    row = {"epoch": 1, "images_per_s": 300.0, "seconds": 1.0, "other_cores": 1.5}
+    trainer._check_tuned_rate(cached, tried, speed, row, said.append)
     assert "0.30× the 1,000 tune timed" in said[-1] and "other processes kept 1.5 cores busy" in said[-1]
     assert not dropped  # the load explains it: the choice stays
     slow_data = {"epoch": 1, "images_per_s": 300.0, "seconds": 10.0, "other_cores": 0.0, "waited": 6.0}

@@ -357,6 +357,11 @@ def _input_of(data) -> tuple[tuple[int, int, int], int | None]:
     return shape, None
 
 
+def _loss_matches(loss: float, ref: float) -> bool:
+    """A setting's first-batch loss is fp32's on the same batch, within LOSS_TOLERANCE."""
+    return abs(loss - ref) <= LOSS_TOLERANCE * max(1.0, abs(ref))
+
+
 class _Bench:
     """The measuring core every search shares: it times a setting within the tune's budget,
     records the load each timing ran under, and judges a timing sound against the reference's
@@ -434,7 +439,7 @@ class _Bench:
         """Timed, with a finite first-batch loss within LOSS_TOLERANCE of fp32's."""
         if t.images_per_s is None or t.loss is None or not math.isfinite(t.loss):
             return False
-        ok = abs(t.loss - self.ref.loss) <= LOSS_TOLERANCE * max(1.0, abs(self.ref.loss))
+        ok = _loss_matches(t.loss, self.ref.loss)
         if not ok and not t.note:
             t.note = f"rejected: first-batch loss {t.loss:.4f} vs fp32 {self.ref.loss:.4f}"
         return ok
@@ -742,8 +747,7 @@ def _short_run(probe, bench: _Bench, search: "_Search") -> tuple[list[Trial], Tr
     if likely is not None and likely != first:
         alt = quick(likely)
         rows.append(alt)
-        sound = alt.loss is not None and ref.loss is not None and math.isfinite(alt.loss) and \
-            abs(alt.loss - ref.loss) <= LOSS_TOLERANCE * max(1.0, abs(ref.loss))
+        sound = alt.loss is not None and math.isfinite(alt.loss) and _loss_matches(alt.loss, ref.loss)
         if alt.images_per_s and sound and alt.images_per_s >= SHORT_GAIN * ref.images_per_s:
             best = alt
     return rows, best, (f"no search: ~{plan:.0f} s of training planned, and a search takes ~{search_s:.1f} s, more "

@@ -137,7 +137,7 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
     try:
         with torch.no_grad():
             counts = _count(model, x, backward=False)
-    except Exception as e:  # noqa: BLE001 - whatever the user's forward raises (timm's size assertions too), in one line
+    except Exception as e:  # noqa: BLE001 - whatever the user's forward raises (timm's size asserts too)
         why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
         if failing and failing[-1] not in done:  # a layer began and did not end: it failed
             where = failing[-1]

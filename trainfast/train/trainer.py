@@ -667,7 +667,8 @@ def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: in
 
 
 def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
-           world_size: int = 1, budget_share: float = 0.0, optimizer: str = "adamw") -> tuple[Speed, list[dict], list, object]:
+           world_size: int = 1, budget_share: float = 0.0,
+           optimizer: str = "adamw") -> tuple[Speed, list[dict], list, object]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
     the tune's time by budget_share of the planned training, a larger batch only where it is
@@ -905,7 +906,7 @@ class _StartOver(Exception):
     """Raised by a first attempt at the default learning rate whose loss watch fired with epochs
     left: fit starts the run over once, from the first weights, at half that rate."""
 
-    def __init__(self, why: str, run_dir: Path, speed: Speed, lr: float, first_weights: dict | None):
+    def __init__(self, why: str, run_dir: Path, speed: Speed, lr: float, first_weights: dict):
         super().__init__(why)
         self.why, self.run_dir, self.speed, self.lr, self.first_weights = why, run_dir, speed, lr, first_weights
 
@@ -976,7 +977,7 @@ def _start_over(again: _StartOver, model, train, val, cfg: TrainConfig, pin, aug
     lr = again.lr / 2
     log(f"warning: {again.why} Starting over from the first weights at half the learning rate, {lr:.3g} (the "
         f"default, {again.lr:.3g}, is too high for some models); --lr sets it yourself.")
-    if isinstance(model, torch.nn.Module) and again.first_weights is not None:
+    if isinstance(model, torch.nn.Module):  # a model built by name is built again from the seed
         with torch.no_grad():
             model.load_state_dict(again.first_weights)
     for name in RUN_FILES:
@@ -984,9 +985,10 @@ def _start_over(again: _StartOver, model, train, val, cfg: TrainConfig, pin, aug
             (again.run_dir / name).unlink()
     for tmp in files.stale_temporaries(again.run_dir, RUN_FILES):
         tmp.unlink()
+    pin = {**(pin or {}), "batch_size": again.speed.batch_size}
     with contextlib.ExitStack() as stack:
-        return _fit(model, train, val, replace(cfg, lr=lr), again.speed, {**(pin or {}), "batch_size": again.speed.batch_size},
-                    augment, device, again.run_dir, None, False, progress, log, stack, may_start_over=False)
+        return _fit(model, train, val, replace(cfg, lr=lr), again.speed, pin, augment, device, again.run_dir, None,
+                    False, progress, log, stack, may_start_over=False)
 
 
 def _augment(augment) -> Augment | None:
@@ -1071,12 +1073,11 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         raise TrainfastError(f"{run_dir}: another node has no such run directory to resume; every node reads it "
                              "(config.json, last.pt): put it on a file system all nodes share, or copy it to each")
     given = net.to(dev)  # trained in place: its parameters and buffers live on the device from here
-    # A first attempt at the default rate may start over once at half of it (_start_over): it keeps
-    # the first weights on the CPU ({} for a model built by name: built again from the seed).
+    # A first attempt at the default rate may start over once at half of it (_start_over), from
+    # these first weights, kept on the CPU.
     first_weights = None
     if may_start_over and not cfg.lr and cfg.loss_watch and not cfg.minutes and not world.distributed:
-        first_weights = {k: v.detach().to("cpu", copy=True) for k, v in given.state_dict().items()} \
-            if isinstance(model, torch.nn.Module) else {}
+        first_weights = {k: v.detach().to("cpu", copy=True) for k, v in given.state_dict().items()}
     net = _working_copy(given)
     say = log if world.is_main else (lambda *a, **k: None)
     run_dir = Path(run_dir or f"runs/{_dir_name(name)}-{time.strftime('%Y%m%d-%H%M%S')}")

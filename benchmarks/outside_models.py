@@ -67,6 +67,7 @@ def _tv(name, **kw):
     def make(classes: int) -> nn.Module:
         tv, _ = import_libraries()
         return getattr(tv.models, name)(num_classes=classes, **kw)
+    make.library, make.arch, make.kw = "torchvision", name, kw
     return make
 
 
@@ -74,15 +75,20 @@ def _timm(name, **kw):
     def make(classes: int) -> nn.Module:
         _, timm = import_libraries()
         return timm.create_model(name, num_classes=classes, **kw)
+    make.library, make.arch, make.kw = "timm", name, kw
     return make
 
 
 def _eval_mode(make):
-    return lambda classes: make(classes).eval()
+    made = lambda classes: make(classes).eval()  # noqa: E731
+    made.base, made.wrap = make, lambda m: m.eval()
+    return made
 
 
 def _dict_output(make):
-    return lambda classes: DictOutput(make(classes))
+    made = lambda classes: DictOutput(make(classes))  # noqa: E731
+    made.base, made.wrap = make, lambda m: _ReaderDict(m)
+    return made
 
 
 PANEL = {  # name: build(classes) -> nn.Module; family in the comment
@@ -105,6 +111,79 @@ PANEL = {  # name: build(classes) -> nn.Module; family in the comment
     "timm_vit_tiny_32": _timm("vit_tiny_patch16_224", img_size=32, patch_size=4),  # attention (SDPA)
     "timm_resnet18_dict": _dict_output(_timm("resnet18")),  # a dict output
 }
+
+class PlateReader(nn.Module):
+    """A backbone's feature map at a stride where a plate's characters are columns apart (at
+    32×64 and stride 8: 4 × 8 positions, one column per character), averaged over its height,
+    pooled to `length` columns and read by one 1×1 convolution shared by every position:
+    (N, length, classes) logits, the per-position head a user gives a classifier's backbone to
+    read plates (a classifier's own head pools the whole map to one vector, and the
+    characters' places with it)."""
+
+    def __init__(self, features: nn.Module, channels: int, length: int, classes: int):
+        super().__init__()
+        self.features, self.length = features, length
+        self.head = nn.Conv2d(channels, classes, 1)
+
+    def read(self, x):
+        """(logits, the feature map they were read from)."""
+        import torch.nn.functional as F
+
+        f = self.features(x)
+        f = f[-1] if isinstance(f, (list, tuple)) else next(iter(f.values())) if isinstance(f, dict) else f
+        return self.head(F.adaptive_avg_pool2d(f, (1, self.length))).squeeze(2).transpose(1, 2), f
+
+    def forward(self, x):
+        return self.read(x)[0]
+
+
+class _ReaderDict(nn.Module):
+    """A plate reader that returns {"logits": ..., "features": ...} (the panel's dict-output family)."""
+
+    def __init__(self, reader: PlateReader):
+        super().__init__()
+        self.reader = reader
+
+    def forward(self, x):
+        logits, features = self.reader.read(x)
+        return {"logits": logits, "features": features}
+
+
+def plate_reader(name: str, length: int, classes: int, size=(32, 64), stride: int = 8) -> nn.Module:
+    """PANEL[name]'s backbone as a plate reader (PlateReader), its feature map taken at `stride`
+    the library's own way: timm's `features_only`, torchvision's `create_feature_extractor` at
+    the last module whose output is that stride's width, ±1 (found by running the classifier once). The
+    panel's wrappers (eval mode, a dict output) wrap the reader."""
+    import torch
+
+    make = PANEL[name]
+    base, wrap = getattr(make, "base", make), getattr(make, "wrap", lambda m: m)
+    tv, timm = import_libraries()
+    h, w = size
+    if base.library == "timm":
+        kw = dict(base.kw)
+        if "img_size" in kw:
+            kw["img_size"] = size
+        probe = timm.create_model(base.arch, features_only=True, **kw)
+        pick = max(i for i, r in enumerate(probe.feature_info.reduction()) if r <= stride)
+        features = timm.create_model(base.arch, features_only=True, out_indices=(pick,), **kw)
+        channels = features.feature_info.channels()[-1]
+    else:
+        from torchvision.models.feature_extraction import create_feature_extractor
+
+        net, found = base(classes).eval(), []
+        hooks = [m.register_forward_hook(lambda m, a, o, n=n: found.append((n, o.shape[1]))
+                                          if torch.is_tensor(o) and o.dim() == 4 and abs(o.shape[3] - w // stride) <= 1
+                                          else None)  # unpadded pooling (SqueezeNet): 7 columns, not 8
+                 for n, m in net.named_modules() if n]
+        with torch.no_grad():
+            net(torch.zeros(1, 3, h, w))
+        for k in hooks:
+            k.remove()
+        where, channels = found[-1]
+        features = create_feature_extractor(net.train(), return_nodes={where: "features"})
+    return wrap(PlateReader(features, channels, length, classes))
+
 
 SMALL = ["tv_resnet18_eval", "tv_mobilenet_v3_small", "tv_squeezenet1_1", "tv_googlenet", "timm_regnetx_002",
          "timm_vit_tiny_32", "timm_resnet18_dict", "tv_shufflenet_v2_x0_5"]

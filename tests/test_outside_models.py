@@ -119,3 +119,18 @@ def test_the_doctor_reads_a_tuple_and_a_dict_output(small_pack):
         report = trainfast.doctor(outside_models.PANEL[name](10), small_pack, batch_size=16, steps=2, warmup=1,
                                   device="cpu", progress=False)  # its fix trials too
         assert report.cost.train_flops > 2 * report.cost.forward_flops
+
+
+@pytest.mark.parametrize("name", outside_models.SMALL)
+def test_each_family_reads_plates_through_a_per_position_head(name):
+    """The plates panel's models: the backbone's map at stride 8 (timm's features_only,
+    torchvision's create_feature_extractor) read as 8 characters of 36, in the panel's form
+    (a dict output stays a dict, a model handed over in eval mode stays in eval mode)."""
+    from trainfast.step import logits_of
+
+    net = outside_models.plate_reader(name, 8, 36, (32, 64))
+    assert net.training == outside_models.PANEL[name](10).training
+    out = net.train()(torch.zeros(2, 3, 32, 64))
+    assert tuple(logits_of(out).shape) == (2, 8, 36)
+    logits_of(out).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())

@@ -868,3 +868,40 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_once_at_half(di
     fit(copy.deepcopy(first), train, epochs=3, lr=default_lr("adamw", 64), speed=Speed(batch_size=64), device="cpu",
         run_dir=tmp_path / "given", progress=False, log=said.append)
     assert fired and not any("Starting over" in m for m in said)  # the user's rate: warned, trained on
+
+
+def test_a_batch_norm_momentum_too_low_for_the_run_is_raised_in_its_working_copy_only(digits_packs, tmp_path):
+    """torchvision's MobileNetV3 sets 0.01: over 20 steps an epoch (1,438 digits, a tenth held
+    out, batch 64) its running statistics would stay ~80% the initial ones, and evaluation would read them. fit raises it to torch's 0.1 for
+    the run; a layer at 0.1 is left as it is; the user's model keeps its momentum."""
+    train, _ = digits_packs
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=0.01), nn.ReLU(),
+                        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    seen = []  # the per-channel means of the batches the low-momentum layer normalised in training
+    net[1].register_forward_hook(lambda m, a, o: seen.append(a[0].detach().mean((0, 2, 3)))
+                                 if m.training and torch.is_grad_enabled() else None)
+    said = []
+    fit(net, train, epochs=1, tune=False, batch_size=64, device="cpu", run_dir=tmp_path / "r", progress=False,
+        log=said.append)
+    assert net[1].momentum == 0.01 and net[4].momentum == 0.1  # the model given back keeps its own
+    line = [m for m in said if m.startswith("batch norm:")]
+    assert len(line) == 1 and "momentum 0.01 in 1 layer " in line[0] and "of 20 steps" in line[0], said
+    recent = torch.stack(seen[-10:]).mean(0)
+    assert (net[1].running_mean - recent).norm() < 0.25 * recent.norm()  # at 0.01 it would be ~0.2 × recent
+
+
+def test_fit_samples_other_processes_load_once_for_its_threads_and_its_tune(digits_packs, tmp_path, monkeypatch):
+    """The start's sample (0.15 s of waiting) serves both the threads and the tune."""
+    from trainfast import hardware
+
+    calls, real = [], hardware.other_cores_now
+    monkeypatch.setattr(hardware, "other_cores_now", lambda *a, **k: calls.append(1) or real(*a, **k))
+    train, _ = digits_packs
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(8, 10))
+    said = []
+    fit(net, train, epochs=1, device="cpu", run_dir=tmp_path / "r", progress=False, log=said.append)
+    assert any(m.startswith("chosen:") or "no search" in m for m in said), said  # it was tuned
+    assert len(calls) == 1

@@ -176,7 +176,8 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
                   min_seconds: float = MIN_SECONDS, optimizer: str = "adamw") -> Trial:
     """Time training steps at `speed` on in-memory batches, after `warmup` of them: `steps`
     steps (fewer, but at least two, where those span 2 × min_seconds already), or more where
-    those would span less than `min_seconds` (at most MAX_STEPS), issued
+    those would span less than `min_seconds` (at most MAX_STEPS; exactly `steps` where
+    min_seconds is 0: a quick timing, without the step that sizes them), issued
     back to back as training issues them (timing.throughput), each with an update by the
     `optimizer` the run uses (its cost per step is part of what a batch size buys). Also the
     first batch's loss, from the model's own weights."""
@@ -196,12 +197,16 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
             step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=0)
             compile_s = time.perf_counter() - t
         opt = _step.make_optimizer(optimizer, net.parameters(), 1e-4, device)
-        probe = step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=warmup, optimizer=opt)
-        # At least min_seconds of steps, and `steps` of them unless two already span twice that (a
-        # 512² CNN's 1-2 s steps: five of them made each candidate cost ~8 s of a tune's budget).
-        per = max(probe.step, 1e-9)
-        n = min(MAX_STEPS, max(min(steps, max(2, math.ceil(2 * min_seconds / per))), math.ceil(min_seconds / per), 1))
-        rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=1, optimizer=opt)
+        if min_seconds > 0:
+            probe = step_breakdown(net, data, device=device, speed=speed, steps=1, warmup=warmup, optimizer=opt)
+            # At least min_seconds of steps, and `steps` of them unless two already span twice that (a
+            # 512² CNN's 1-2 s steps: five of them made each candidate cost ~8 s of a tune's budget).
+            per = max(probe.step, 1e-9)
+            n = min(MAX_STEPS, max(min(steps, max(2, math.ceil(2 * min_seconds / per))), math.ceil(min_seconds / per),
+                                   1))
+            rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=1, optimizer=opt)
+        else:  # a quick timing: `steps` steps after the warm-up, no probe step to size them
+            rate = throughput(net, data, device=device, speed=speed, steps=steps, warmup=warmup, optimizer=opt)
     except torch.cuda.OutOfMemoryError:
         return Trial(speed, None, note="out of memory")
     except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped, with the reason
@@ -593,7 +598,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
          budget_share: float = 0.0, max_seconds: float | None = None, try_compile: bool = True,
          try_rewrites: bool = True, optimizer: str = "adamw", retune: bool = False,
          measure: Callable[..., Trial] | None = None, probe: Callable[..., Trial] | None = None,
-         log=print) -> TuneResult:
+         other_cores: float | None = None, log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
         trainfast.tune(model, "cifar.pack")     # the pack's shape; the batch bounded by its images, as fit bounds it
@@ -624,6 +629,8 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         probe: replaces the quick timing (a few steps) with which fit's tune judges whether its
             run is long enough for a search to pay (below); with `measure` given and no probe,
             that judgement is not made.
+        other_cores: the cores other processes kept busy, sampled by the caller just before
+            (fit samples them once for its threads and its tune); None: sampled here.
 
     A short run gets no search: given planned_images and budget_share (fit's tune), a quick
     timing of the first setting says how long the training will take; where budget_share of
@@ -668,7 +675,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     bench = _Bench(model, input_shape, out_shape, dev, measure, log, max_seconds=max_seconds,
                    planned_images=planned_images, budget_share=budget_share)
     threads = torch.get_num_threads()
-    other = hardware.other_cores_now() if dev.type == "cpu" else None
+    other = (other_cores if other_cores is not None else hardware.other_cores_now()) if dev.type == "cpu" else None
     fewer = hardware.free_threads(other, threads) if dev.type == "cpu" else threads
     fewer = fewer if fewer < threads else None
     cuda = dev.type == "cuda"

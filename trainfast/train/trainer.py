@@ -147,8 +147,9 @@ class _Threads:
     def __init__(self, active: bool, say):
         self.active, self.say, self.cap = active, say, torch.get_num_threads()
         self.load: hardware.OtherLoad | None = None
+        self.at_start = hardware.other_cores_now() if active else None  # fit's tune reuses this sample
         if active:
-            self.set(hardware.other_cores_now(), "at the start")
+            self.set(self.at_start, "at the start")
 
     def set(self, other: float | None, when: str) -> None:
         want, now = hardware.free_threads(other, self.cap), torch.get_num_threads()
@@ -667,8 +668,8 @@ def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: in
 
 
 def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
-           world_size: int = 1, budget_share: float = 0.0,
-           optimizer: str = "adamw") -> tuple[Speed, list[dict], list, object]:
+           world_size: int = 1, budget_share: float = 0.0, optimizer: str = "adamw",
+           other_cores: float | None = None) -> tuple[Speed, list[dict], list, object]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
     the tune's time by budget_share of the planned training, a larger batch only where it is
@@ -685,7 +686,7 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
     result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"), max_batch=limit,
                    planned_images=per_process * epochs, budget_share=budget_share,
                    try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, optimizer=optimizer,
-                   log=progress_log)
+                   other_cores=other_cores, log=progress_log)
     say(result.table())
     best, front = result.best, []
     if "batch_size" not in pin:
@@ -1032,6 +1033,36 @@ def _working_copy(net: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(net, memo=shared)
 
 
+BN_STALE = 0.05
+"""A batch-norm momentum below torch's default is raised to it where an epoch would leave this
+much or more of the running statistics from before it (_settle_batch_norm)."""
+
+
+def _settle_batch_norm(net: torch.nn.Module, steps_per_epoch: int, say) -> None:
+    """In the working copy only, raise a batch-norm momentum below torch's default (0.1) to it
+    where one epoch's steps would leave BN_STALE or more of the running statistics as they were
+    before the epoch. The momentum weighs only the running statistics, which evaluation uses;
+    training normalises each batch by its own, so the steps are unchanged. torchvision's
+    MobileNetV3 (0.01) and MnasNet (0.0003) are set for ImageNet's thousands of steps an epoch:
+    after 5 epochs of 44 steps on digits their statistics were still 11% and 94% the initial
+    ones, and they read held-out digits at chance after training to 97% (MobileNetV3 with them
+    raised: 96.9% held out). The user's model keeps its momentum (the copy holds the modules)."""
+    default = 0.1
+    low = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+           and m.track_running_stats and m.momentum is not None and m.momentum < default
+           and (1 - m.momentum) ** steps_per_epoch >= BN_STALE]
+    if not low:
+        return
+    olds = sorted({float(m.momentum) for m in low})
+    for m in low:
+        m.momentum = default
+    kept = (1 - olds[0]) ** steps_per_epoch
+    say(f"batch norm: momentum {' / '.join(f'{m:.2g}' for m in olds)} in {len(low)} layer{'s' * (len(low) > 1)} would keep {kept:.0%} of "
+        f"the running statistics from before each epoch of {steps_per_epoch} steps, and evaluation would read stale "
+        f"ones; this run updates them at torch's default {default} (training is the same; your model keeps its "
+        "momentum)")
+
+
 def _given_back(user: torch.nn.Module) -> None:
     """The user's model as it was given, but trained: its 4-D weights in the default memory
     layout again (channels_last trains them in place; the values are the same)."""
@@ -1110,7 +1141,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     if speed is None:
         speed, tune_table, front, tuned = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
                                                  images=n_train, epochs=cfg.epochs, world_size=world.size,
-                                                 budget_share=cfg.tune_share, optimizer=cfg.optimizer) if tune \
+                                                 budget_share=cfg.tune_share, optimizer=cfg.optimizer,
+                                                 other_cores=threads.at_start) if tune \
             else (Speed(**pin), [], [], None)
     reason = _step.check(speed, dev)
     if reason:
@@ -1128,6 +1160,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                                                      device=dev, rank=world.rank, world_size=world.size,
                                                      subset=val_idx)
     steps_per_epoch = len(loader)
+    _settle_batch_norm(net, steps_per_epoch, say)
     lr = _learning_rate(net, loader, cfg, speed, dev, world, train_pk, saved, user_batch, say)
     opt = _optimizer(net.parameters(), cfg, lr, dev)
     sched = _scheduler(opt, cfg, cfg.epochs * steps_per_epoch, lr)

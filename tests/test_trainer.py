@@ -872,8 +872,9 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_once_at_half(di
 
 def test_a_batch_norm_momentum_too_low_for_the_run_is_raised_in_its_working_copy_only(digits_packs, tmp_path):
     """torchvision's MobileNetV3 sets 0.01: over 20 steps an epoch (1,438 digits, a tenth held
-    out, batch 64) its running statistics would stay ~80% the initial ones, and evaluation would read them. fit raises it to torch's 0.1 for
-    the run; a layer at 0.1 is left as it is; the user's model keeps its momentum."""
+    out, batch 64) its running statistics would stay ~80% the initial ones, and evaluation
+    would read them. fit raises it to torch's 0.1 for the run; a layer at 0.1 is left as it
+    is; the user's model keeps its momentum."""
     train, _ = digits_packs
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=0.01), nn.ReLU(),

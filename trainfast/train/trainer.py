@@ -1056,8 +1056,8 @@ def _settle_batch_norm(net: torch.nn.Module, steps_per_epoch: int, say) -> None:
     olds = sorted({float(m.momentum) for m in low})
     for m in low:
         m.momentum = default
-    kept = (1 - olds[0]) ** steps_per_epoch
-    say(f"batch norm: momentum {' / '.join(f'{m:.2g}' for m in olds)} in {len(low)} layer{'s' * (len(low) > 1)} would keep {kept:.0%} of "
+    kept, layers = (1 - olds[0]) ** steps_per_epoch, f"{len(low)} layer{'s' * (len(low) > 1)}"
+    say(f"batch norm: momentum {' / '.join(f'{m:.2g}' for m in olds)} in {layers} would keep {kept:.0%} of "
         f"the running statistics from before each epoch of {steps_per_epoch} steps, and evaluation would read stale "
         f"ones; this run updates them at torch's default {default} (training is the same; your model keeps its "
         "momentum)")

@@ -12,8 +12,7 @@ plain loop their users would write, from the same initial weights, side by side 
 Data: scikit-learn's digits at 32×32 RGB, 80/20 split (1,437 / 360 images); or the demo's
 plate photos (`--data plates`: 6,000 to train, 1,500 held out, packed at 32×64; each model's
 backbone read by a per-position head at stride 8, outside_models.plate_reader: (N, 8, 36)
-logits, 8 characters of 36; accuracy is of
-the characters, as fit's val_acc). Reported per
+logits, 8 characters of 36; accuracy is of the characters, as fit's val_acc). Reported per
 model: held-out accuracy at the end on each side; the wall time (from the call, setup and
 tuning included, each epoch's evaluation too) until the held-out accuracy first reaches the
 plain loop's final one, on each side; median training images/s. The two sides alternate per

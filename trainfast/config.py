@@ -114,6 +114,12 @@ class Speed:
 
 
 OPTIMIZERS = ("sgd", "adamw", "rmsprop")
+
+
+def check_optimizer(name: str) -> None:
+    """One line where `name` is not an optimizer trainfast builds (fit's config, tune, step.make_optimizer)."""
+    if name not in OPTIMIZERS:
+        raise TrainfastError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {name!r}")
 SCHEDULES = ("onecycle", "cosine", "constant")
 BASE_LR = {"sgd": 0.2, "adamw": 6e-3, "rmsprop": 1e-3}
 """Each optimizer's default peak rate at BASE_BATCH, scaled to the run's batch by scale_lr

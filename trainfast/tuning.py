@@ -38,7 +38,7 @@ import torch
 
 from trainfast import hardware, units
 from trainfast import step as _step
-from trainfast.config import OPTIMIZERS, Speed
+from trainfast.config import Speed, check_optimizer
 from trainfast.diagnose.timing import step_breakdown, synthetic_batches, throughput
 from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
@@ -656,11 +656,10 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     if max_seconds is None and planned_images is None:  # not fit's tune (fit plans its images; tune_share 0: no bound)
         max_seconds = STANDALONE_S
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
+    check_optimizer(optimizer)  # the arguments before any forward
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
     if try_rewrites and not any(rewrite.apply(copy.deepcopy(model), rewrite.ALL).values()):
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
-    if optimizer not in OPTIMIZERS:
-        raise TrainfastError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {optimizer!r}")
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer))
     cache = hardware.read_cache("tune.json")
     if not retune and key in cache and _reusable(cache[key], planned_images, budget_share, max_seconds):

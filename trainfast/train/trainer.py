@@ -27,7 +27,7 @@ import torch
 
 from trainfast import files, hardware, models, units
 from trainfast import step as _step
-from trainfast.config import OPTIMIZERS, SCHEDULES, Augment, Speed, TrainConfig, default_lr, scale_lr
+from trainfast.config import SCHEDULES, Augment, Speed, TrainConfig, check_optimizer, default_lr, scale_lr
 from trainfast.data.format import Pack, as_pack
 from trainfast.data.loader import Loader
 from trainfast.data.pack import is_arrays, pack_arrays
@@ -232,8 +232,7 @@ def _check_config(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TrainfastError(f"{name} must be a whole number ≥ 0, not {value!r}")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise TrainfastError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, not {cfg.optimizer!r}")
+    check_optimizer(cfg.optimizer)
     if cfg.schedule not in SCHEDULES:
         raise TrainfastError(f"schedule must be one of {', '.join(SCHEDULES)}, not {cfg.schedule!r}")
     if cfg.epochs < 1:

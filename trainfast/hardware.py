@@ -194,10 +194,16 @@ def is_busy(other_cores: float | None) -> bool:
     return other_cores is not None and other_cores >= max(0.25 * usable_cores(), 0.3)
 
 
-def other_cores_now(seconds: float = 0.15) -> float | None:
-    """Cores other processes keep busy, sampled over `seconds` now (while this process waits)."""
-    with OtherLoad() as load:
-        time.sleep(seconds)
+def other_cores_now(seconds: float = 0.15, since: OtherLoad | None = None) -> float | None:
+    """Cores other processes keep busy, sampled over `seconds` now (while this process waits);
+    or over the time since `since` (an OtherLoad entered earlier, while this process did its
+    set-up on about one thread, which leaves another core to a neighbour), waiting only for
+    what is left of `seconds`. fit's set-up takes 0.1-0.3 s: the sample costs it nothing then."""
+    load = since or OtherLoad().__enter__()
+    rest = seconds - (time.perf_counter() - load.start[0])
+    if rest > 0:
+        time.sleep(rest)
+    load.__exit__(None, None, None)
     return load.cores
 
 

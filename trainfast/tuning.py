@@ -48,8 +48,9 @@ LOSS_BATCH = 8  # the images of that batch: the same for every candidate, whatev
 STANDALONE_S = 60.0  # a tune with no budget given (not fit's): its default bound, in seconds
 FINAL_ROUNDS = 2  # extra round-robin timings of each finalist
 MIN_SECONDS = 0.8  # the least time one timing spans
-QUICK_STEPS = 2  # the steps of fit's quick timing, which says whether its run is long enough to search
-SHORT_GAIN = 1.25  # a run too short to search takes the likeliest winner only this much faster (2-step timings)
+QUICK_STEPS = 1  # the least timed steps of fit's quick timing (after one warm-up): is its run long enough to search?
+QUICK_SPAN_S = 0.1  # ... and as many more as the warm-up step's time says span this (1 for ResNet-18, 4 for SqueezeNet)
+SHORT_GAIN = 1.25  # a run too short to search takes the likeliest winner only this much faster (quick timings)
 MAX_STEPS = 60
 COMPILE_GUESS_S = 8.0  # a torch.compile before one is timed: 7.6 s for plate_net, 12 s for cifar_cnn on 2 cores
 MAX_BATCH = {"cpu": 512, "cuda": 8192}  # the largest batch tried unless the caller bounds it
@@ -176,8 +177,8 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
                   min_seconds: float = MIN_SECONDS, optimizer: str = "adamw") -> Trial:
     """Time training steps at `speed` on in-memory batches, after `warmup` of them: `steps`
     steps (fewer, but at least two, where those span 2 × min_seconds already), or more where
-    those would span less than `min_seconds` (at most MAX_STEPS; exactly `steps` where
-    min_seconds is 0: a quick timing, without the step that sizes them), issued
+    those would span less than `min_seconds` (at most MAX_STEPS); where min_seconds is 0, a
+    quick timing: `steps`, or as many as span QUICK_SPAN_S by the warm-up's time, issued
     back to back as training issues them (timing.throughput), each with an update by the
     `optimizer` the run uses (its cost per step is part of what a batch size buys). Also the
     first batch's loss, from the model's own weights."""
@@ -205,8 +206,11 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
             n = min(MAX_STEPS, max(min(steps, max(2, math.ceil(2 * min_seconds / per))), math.ceil(min_seconds / per),
                                    1))
             rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=1, optimizer=opt)
-        else:  # a quick timing: `steps` steps after the warm-up, no probe step to size them
-            rate = throughput(net, data, device=device, speed=speed, steps=steps, warmup=warmup, optimizer=opt)
+        else:  # a quick timing: the warm-up steps, timed, size what follows (a first step overstates a step's time)
+            per_step = len(data[0][0]) / throughput(net, data, device=device, speed=speed, steps=max(warmup, 1),
+                                                    warmup=0, optimizer=opt)
+            n = min(MAX_STEPS, max(steps, math.ceil(QUICK_SPAN_S / max(per_step, 1e-9))))
+            rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=0, optimizer=opt)
     except torch.cuda.OutOfMemoryError:
         return Trial(speed, None, note="out of memory")
     except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped, with the reason
@@ -735,7 +739,7 @@ def _short_run(probe, bench: _Bench, search: "_Search") -> tuple[list[Trial], Tr
             trial = probe(bench.model, bench.input_shape, bench.out_shape, speed, bench.dev)
         trial.other_cores = load.cores
         if trial.images_per_s:
-            trial.note = f"a quick timing, {QUICK_STEPS} steps"
+            trial.note = "a quick timing"
         return trial
 
     first = search.first_speed()

@@ -116,11 +116,10 @@ def _svg(fig) -> str:
 
 def stages_chart(parts: list[tuple[str, float]]) -> str:
     """One stacked bar of (stage, ms per step), as inline SVG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # NOTE: not pyplot: a notebook's backend stays the user's
 
-    fig, ax = plt.subplots(figsize=(8, 1.8))
+    fig = Figure(figsize=(8, 1.8))
+    ax = fig.subplots()
     left = 0.0
     colours = ["#d62728", "#9467bd", "#1f77b4", "#2ca02c", "#ff7f0e", "#7f7f7f"]
     for (name, ms), c in zip(parts, colours):
@@ -131,7 +130,6 @@ def stages_chart(parts: list[tuple[str, float]]) -> str:
     ax.legend(ncol=3, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45), frameon=False)
     ax.set_title("Where each training step's time goes")
     svg = _svg(fig)
-    plt.close(fig)
     return svg
 
 
@@ -145,12 +143,11 @@ def layer_chart(r) -> str:
 
 def layers_chart(layers: list[tuple[str, str, float, int]]) -> str:
     """Per-layer forward FLOPs and parameters, (name, kind, flops, params) each, as inline SVG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     names = [f"{name} ({kind})".replace("$", r"\$") for name, kind, _, _ in layers]  # NOTE: '$…$' would be mathtext
-    fig, axes = plt.subplots(1, 2, figsize=(10, 0.3 * len(layers) + 1.2), sharey=True)
+    fig = Figure(figsize=(10, 0.3 * len(layers) + 1.2))
+    axes = fig.subplots(1, 2, sharey=True)
     axes[0].barh(names, [f / 1e6 for _, _, f, _ in layers], color="#1f77b4")
     axes[0].set_xlabel("forward MFLOPs per image")
     axes[1].barh(names, [p / 1e3 for _, _, _, p in layers], color="#ff7f0e")
@@ -158,7 +155,6 @@ def layers_chart(layers: list[tuple[str, str, float, int]]) -> str:
     axes[0].invert_yaxis()
     fig.suptitle("Per-layer cost: FLOPs hold the time, parameters the memory")
     svg = _svg(fig)
-    plt.close(fig)
     return svg
 
 

@@ -84,6 +84,16 @@ def sum_all(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
+def average_all(tensors: list[torch.Tensor], world: World) -> None:
+    """Each tensor, in place, the mean of its values over all processes (the batch-norm
+    statistics each process measured on its own share of the data)."""
+    if not world.distributed:
+        return
+    for t in tensors:
+        dist.all_reduce(t)
+        t.div_(world.size)
+
+
 _LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
          "Socket Timeout", "Connection refused")
 

@@ -90,14 +90,13 @@ class MetricsLog:
 
 
 def plot_curves(rows: list[dict], path: Path, sequence: bool) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # NOTE: not pyplot: a notebook's plotting backend stays the user's
 
     if not rows:
         return
     ep = [r["epoch"] + 1 for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig = Figure(figsize=(10, 3.5))
+    a, b = fig.subplots(1, 2)
     a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
     val = all("val_loss" in r for r in rows)  # no validation with val_fraction=0 and no val pack
     if val:
@@ -112,5 +111,4 @@ def plot_curves(rows: list[dict], path: Path, sequence: bool) -> None:
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
-    plt.close(fig)
     files.write_whole(path, lambda f: f.write(png.getvalue()))

@@ -144,10 +144,11 @@ class _Threads:
     for a deterministic run (the threads change the order of a CPU kernel's sums). Never more
     than the threads torch had when the run began; fit puts those back at its end."""
 
-    def __init__(self, active: bool, say):
+    def __init__(self, active: bool, say, since: hardware.OtherLoad | None = None):
         self.active, self.say, self.cap = active, say, torch.get_num_threads()
         self.load: hardware.OtherLoad | None = None
-        self.at_start = hardware.other_cores_now() if active else None  # fit's tune reuses this sample
+        # measured over the run's set-up where `since` began it; fit's tune reuses this sample
+        self.at_start = hardware.other_cores_now(since=since) if active else None
         if active:
             self.set(self.at_start, "at the start")
 
@@ -470,6 +471,7 @@ class _Run:
     def end_epoch(self, epoch: int, row: dict) -> bool:
         """Validate, log, checkpoint; True when early stopping says to stop."""
         state = self.state
+        _measure_batch_norm(self.net, self.loader, epoch, self.speed, self.dev, self.world)
         if self.val_loader is not None:
             v = evaluate(self.net, self.val_loader, self.speed, self.dev, self.world)
             row.update(val_loss=v["loss"], val_acc=v["acc"], val_seq_acc=v["seq_acc"])
@@ -784,22 +786,30 @@ ABOVE_CHANCE = 2.0  # ... and training accuracy under this many times chance (1/
 DIVERGED = 1.5  # "diverging": an epoch's training loss over 1.5× the first epoch's, and over ln K
 
 
-def _findings(net, pk: Pack, x: torch.Tensor) -> tuple[list[str], bool]:
-    """The doctor's findings about why `net` may not learn, and whether every output is frozen:
-    outputs that training images do not change (measured on the batch `x`, on the model as
-    trained so far), then its shape (counted on a copy, on the CPU; not its costs)."""
-    from trainfast.diagnose.cost import layer_costs, learning_findings, measured_findings
+def _shape_findings(net, pk: Pack) -> list[str]:
+    """The doctor's findings about why `net`'s shape may keep it from learning (counted on a
+    copy, on the CPU; not its costs)."""
+    from trainfast.diagnose.cost import layer_costs, learning_findings
     h, w, c = pk.shape
-    found, frozen = measured_findings(net, x, when="now ")
     try:
-        return found + learning_findings(layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w))), frozen
+        return learning_findings(layer_costs(copy.deepcopy(net).cpu().float(), (c, h, w)))
     except Exception:  # noqa: BLE001 - a model the counter cannot trace: no structural findings, still a message
-        return found, frozen
+        return []
 
 
 def diverging(losses: list[float], classes: int) -> bool:
     """The epochs' training losses climb: the last is over DIVERGED× the first, and over ln K."""
     return len(losses) >= 2 and losses[-1] > DIVERGED * losses[0] and losses[-1] > math.log(max(classes, 2))
+
+
+def at_chance(losses: list[float], classes: int, acc: float | None = None) -> bool:
+    """The last epoch's training loss sits at ln K (within STUCK_MARGIN, or above it) and is not
+    falling fast, and the training accuracy (where known) is under ABOVE_CHANCE× chance."""
+    if not losses or classes < 2:
+        return False
+    last, n = losses[-1], len(losses)
+    learning = (n >= 2 and last < STILL_FALLING * losses[-2]) or (acc is not None and acc >= ABOVE_CHANCE / classes)
+    return last >= (1 - STUCK_MARGIN) * math.log(classes) and not learning
 
 
 def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findings: list[str],
@@ -812,7 +822,8 @@ def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findin
     A cross-entropy loss that stays at ln K (K classes per prediction) means the model
     predicts chance; with a warm-up a good run can sit there for an epoch or two (the CIFAR
     CNN on digits left it in its third of 15 epochs), so "stuck" is judged only after
-    max(2, STUCK_SHARE of the epochs) and STUCK_STEPS steps. A loss that starts far above ln K
+    max(2, STUCK_SHARE of the epochs) and STUCK_STEPS steps, unless `frozen` (dead units stay
+    dead: judged after any epoch at chance). A loss that starts far above ln K
     (large initial logits) is not stuck while it still falls fast, nor while the model reads
     ABOVE_CHANCE× chance: it learns, with overconfident logits."""
     if not losses or classes < 2:
@@ -823,9 +834,8 @@ def loss_watch(losses: list[float], epochs: int, classes: int, lr: float, findin
     if diverging(losses, classes):
         return (f"the training loss is diverging: {losses[0]:.3f} after epoch 1, {last:.3f} after epoch {n}. "
                 f"The learning rate ({lr:.3g}) is likely too high: try --lr {lr / 10:.2g}, or --clip 1.{hint}")
-    learning = (n >= 2 and last < STILL_FALLING * losses[-2]) or (acc is not None and acc >= ABOVE_CHANCE / classes)
-    if n >= max(2, math.ceil(STUCK_SHARE * epochs)) and steps >= STUCK_STEPS and last >= (1 - STUCK_MARGIN) * chance \
-            and not learning:
+    judged = frozen or (n >= max(2, math.ceil(STUCK_SHARE * epochs)) and steps >= STUCK_STEPS)  # dead stays dead
+    if judged and at_chance(losses, classes, acc):
         why = ("its output no longer depends on its input, and no gradient reaches the layers before that, so no "
                "learning rate can revive it now; the model's structure is the cause, or a rate too high early on "
                "(units that die stay dead)" if frozen else
@@ -1032,34 +1042,44 @@ def _working_copy(net: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(net, memo=shared)
 
 
-BN_STALE = 0.05
-"""A batch-norm momentum below torch's default is raised to it where an epoch would leave this
-much or more of the running statistics from before it (_settle_batch_norm)."""
+BN_IMAGES = 256
+"""Batch-norm statistics are measured afresh at each epoch's end on about this many training
+images (at least two batches, at most an epoch): _measure_batch_norm."""
 
 
-def _settle_batch_norm(net: torch.nn.Module, steps_per_epoch: int, say) -> None:
-    """In the working copy only, raise a batch-norm momentum below torch's default (0.1) to it
-    where one epoch's steps would leave BN_STALE or more of the running statistics as they were
-    before the epoch. The momentum weighs only the running statistics, which evaluation uses;
-    training normalises each batch by its own, so the steps are unchanged. torchvision's
-    MobileNetV3 (0.01) and MnasNet (0.0003) are set for ImageNet's thousands of steps an epoch:
-    after 5 epochs of 44 steps on digits their statistics were still 11% and 94% the initial
-    ones, and they read held-out digits at chance after training to 97% (MobileNetV3 with them
-    raised: 96.9% held out). The user's model keeps its momentum (the copy holds the modules)."""
-    default = 0.1
-    low = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-           and m.track_running_stats and m.momentum is not None and m.momentum < default
-           and (1 - m.momentum) ** steps_per_epoch >= BN_STALE]
-    if not low:
+def _measure_batch_norm(net: torch.nn.Module, loader: Loader, epoch: int, speed: Speed, dev, world) -> None:
+    """Set every batch-norm layer's running statistics to those of the weights as they are now:
+    the plain average of the batch statistics over the first BN_IMAGES training images of
+    `epoch` (forward passes in training mode, no gradient), as in "precise BatchNorm" (Wu &
+    Johnson, 2021). Each layer's momentum, the model's mode and the random streams are put back.
+
+    The running averages that training keeps trail the weights: at fit's peak rate on digits,
+    ResNet-18 read 37% of the held-out images after epoch 1 (val loss 10.6) where its training
+    loss was 0.56, and 83% with statistics measured so (0.10 s an epoch). A momentum set for
+    ImageNet's thousands of steps an epoch (torchvision's MobileNetV3 0.01, MnasNet 0.0003) left
+    them the initial ones after 220 steps: chance held out, after training to 97%. Evaluation,
+    the checkpoints and the model given back all read the measured statistics; under torchrun,
+    each process measures on its share and they take the mean."""
+    layers = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+              and m.track_running_stats]
+    if not layers:
         return
-    olds = sorted({float(m.momentum) for m in low})
-    for m in low:
-        m.momentum = default
-    kept, layers = (1 - olds[0]) ** steps_per_epoch, f"{len(low)} layer{'s' * (len(low) > 1)}"
-    say(f"batch norm: momentum {' / '.join(f'{m:.2g}' for m in olds)} in {layers} would keep {kept:.0%} of "
-        f"the running statistics from before each epoch of {steps_per_epoch} steps, and evaluation would read stale "
-        f"ones; this run updates them at torch's default {default} (training is the same; your model keeps its "
-        "momentum)")
+    momenta, was_training = [m.momentum for m in layers], net.training
+    batches = min(len(loader), max(2, math.ceil(BN_IMAGES / loader.batch_size)))
+    try:
+        for m in layers:
+            m.reset_running_stats()
+            m.momentum = None  # a plain average over the batches that follow
+        net.train()
+        with torch.no_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            for k in range(batches):
+                with _step.autocast(speed, dev):
+                    net(loader.batch(k, epoch=epoch)[0])
+    finally:
+        for m, momentum in zip(layers, momenta):
+            m.momentum = momentum
+        net.train(was_training)
+    distributed.average_all([b for m in layers for b in (m.running_mean, m.running_var) if b is not None], world)
 
 
 def _given_back(user: torch.nn.Module) -> None:
@@ -1075,6 +1095,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
          stack: contextlib.ExitStack, may_start_over: bool = False):
     """fit, after its arguments are read; `saved` is the run's config.json when resuming; the run
     directory's lock is held on `stack` (released when fit returns or fails)."""
+    setup = hardware.OtherLoad().__enter__()  # other processes' load, sampled while the run sets up (_Threads)
     resume = saved is not None
     torch.manual_seed(cfg.seed)  # before the model is built: its initial weights follow the seed
     net, name = _model_and_name(model)
@@ -1136,7 +1157,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         raise TrainfastError(f"{train_pk.path}: {n_train} training images{held} are too few for batch size "
                              f"{pin['batch_size']}{per}: give a batch size of at most {n_train // world.size}")
     threads = _Threads(dev.type == "cpu" and not world.distributed and not cfg.deterministic
-                       and not (speed and speed.threads) and not pin.get("threads"), say)
+                       and not (speed and speed.threads) and not pin.get("threads"), say, since=setup)
     if speed is None:
         speed, tune_table, front, tuned = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
                                                  images=n_train, epochs=cfg.epochs, world_size=world.size,
@@ -1159,7 +1180,6 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                                                      device=dev, rank=world.rank, world_size=world.size,
                                                      subset=val_idx)
     steps_per_epoch = len(loader)
-    _settle_batch_norm(net, steps_per_epoch, say)
     lr = _learning_rate(net, loader, cfg, speed, dev, world, train_pk, saved, user_batch, say)
     opt = _optimizer(net.parameters(), cfg, lr, dev)
     sched = _scheduler(opt, cfg, cfg.epochs * steps_per_epoch, lr)
@@ -1214,7 +1234,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                train_pk.sequence_length is not None, (len(log_csv.rows), time.perf_counter()))
     stopped, epoch = "finished", state["epoch"]
     interrupts = _Interrupts(True, world, agree_every=1 if dev.type == "cpu" else READ_EVERY["cuda"])
-    lost = False  # another process of the run died
+    lost = starting_over = False  # another process of the run died; this attempt gives way to another
     warned = False  # the loss watch's warning for a run that is stuck but not hopeless: once
     deadline = _now() + 60 * cfg.minutes if cfg.minutes else None
     check_rate = tuned is not None and world.is_main  # the run's rate against tune's, once
@@ -1248,9 +1268,18 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     if state["epoch"] + more < cfg.epochs:
                         cfg = _shorten(run, cfg, more, now - began, epoch)
                 watch = (state["losses"], cfg.epochs, classes, lr)
-                if cfg.loss_watch and loss_watch(*watch, [], state["step"], acc=state.get("last_acc")):
-                    findings, frozen = _findings(net, train_pk, loader.batch(0, epoch=epoch)[0])
-                    why = loss_watch(*watch, findings, state["step"], frozen, acc=state.get("last_acc"))
+                # Before the watch judges "stuck" (epoch 2 at the earliest), a model at chance is
+                # measured too: one frozen (SqueezeNet's ReLU'd logits, dead in epoch 1 at the
+                # default rate) cannot come back, and starts over after one epoch, not three.
+                why = None
+                if cfg.loss_watch and (loss_watch(*watch, [], state["step"], acc=state.get("last_acc"))
+                                       or not warned and at_chance(state["losses"], classes, state.get("last_acc"))):
+                    from trainfast.diagnose.cost import measured_findings
+                    found, frozen = measured_findings(net, loader.batch(0, epoch=epoch)[0], when="now ")
+                    if loss_watch(*watch, found, state["step"], frozen, acc=state.get("last_acc")):
+                        why = loss_watch(*watch, found + _shape_findings(net, train_pk), state["step"], frozen,
+                                         acc=state.get("last_acc"))
+                if why:
                     # Stopped only where going on cannot help: every output frozen, or a climbing loss.
                     # A model whose gradients still flow may leave chance late (a ViT on digits at
                     # epoch 4 of 5): it is told once, and trains on.
@@ -1279,10 +1308,14 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
             say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume "
                 f"{shlex.quote(str(run_dir))}")
         raise
+    except _StartOver:
+        starting_over = True  # the next attempt draws its own curves in this directory
+        raise
     finally:
         _given_back(given)
         with contextlib.suppress(Exception):  # the figure is not worth hiding why a run stopped
-            run.plot(force=True)
+            if not starting_over:
+                run.plot(force=True)
         if not lost:  # with a process gone, no collective can complete
             distributed.barrier(world)
     return FitResult(run_dir, log_csv.rows, state["best"], run.speed, stopped, given)

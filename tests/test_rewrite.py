@@ -53,6 +53,25 @@ def test_the_users_plate_cnn_is_rewritten_where_expected():
     assert isinstance(net.dropout, rewrite.CheapDropout)
 
 
+def test_applies_says_what_the_passes_would_do_without_changing_the_model():
+    """tune asks whether any pass applies before timing a "rewrites" setting: the answer must be
+    what the passes do to a copy, and the model must be left as it was."""
+    cases = [models.create(n) for n in models.list()] + [
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.AvgPool2d(2)),  # nothing to do
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AvgPool2d(2)),  # an in-place ReLU
+        nn.Sequential(nn.Identity(), nn.ReLU(), nn.MaxPool2d(2)),  # a ReLU/MaxPool swap only
+        nn.Sequential(nn.Flatten(), nn.Dropout(0.5, inplace=True), nn.Linear(4, 2)),  # in-place dropout: kept
+        nn.Sequential(nn.Flatten(), nn.Dropout(0.5), nn.Linear(4, 2)),  # a dropout to replace
+    ]
+    answers = []
+    for net in cases:
+        before = repr(net)
+        answers.append(rewrite.applies(net))
+        assert repr(net) == before
+        assert answers[-1] == any(rewrite.apply(copy.deepcopy(net), rewrite.ALL).values()), net
+    assert answers[-5:] == [False, True, True, False, True]
+
+
 def test_inplace_relu_leaves_a_relu_that_reads_a_shared_tensor():
     class Residual(nn.Module):
         def __init__(self):

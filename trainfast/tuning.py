@@ -662,7 +662,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
     check_optimizer(optimizer)  # the arguments before any forward
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
-    if try_rewrites and not any(rewrite.apply(copy.deepcopy(model), rewrite.ALL).values()):
+    if try_rewrites and not rewrite.applies(model):
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer))
     cache = hardware.read_cache("tune.json")

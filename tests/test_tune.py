@@ -437,6 +437,13 @@ def test_a_run_too_short_for_a_search_gets_one_quick_comparison(monkeypatch):
     r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=unsound, planned_images=4_000,
              budget_share=0.1, retune=True, log=lambda m: None)
     assert r.short and r.best.label() == "fp32 + batch 64"
+
+    def no_reference_loss(model, shape, out, speed, device):  # a loss missing on either side: nothing to compare
+        t = probe(model, shape, out, speed, device)
+        return replace(t, loss=None) if speed.precision == "fp32" else t
+    r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=no_reference_loss,
+             planned_images=4_000, budget_share=0.1, retune=True, log=lambda m: None)
+    assert r.short and r.best.label() == "fp32 + batch 64"
     tried.clear()
     r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=probe, planned_images=14_400,
              budget_share=0.1, retune=True, log=lambda m: None)

@@ -366,9 +366,10 @@ def _input_of(data) -> tuple[tuple[int, int, int], int | None]:
     return shape, None
 
 
-def _loss_matches(loss: float, ref: float) -> bool:
-    """A setting's first-batch loss is fp32's on the same batch, within LOSS_TOLERANCE."""
-    return abs(loss - ref) <= LOSS_TOLERANCE * max(1.0, abs(ref))
+def _loss_matches(loss: float | None, ref: float | None) -> bool:
+    """A setting's first-batch loss is finite and fp32's on the same batch, within LOSS_TOLERANCE."""
+    return loss is not None and ref is not None and math.isfinite(loss) and \
+        abs(loss - ref) <= LOSS_TOLERANCE * max(1.0, abs(ref))
 
 
 class _Bench:
@@ -757,8 +758,7 @@ def _short_run(probe, bench: _Bench, search: "_Search") -> tuple[list[Trial], Tr
     if likely is not None and likely != first:
         alt = quick(likely)
         rows.append(alt)
-        sound = alt.loss is not None and math.isfinite(alt.loss) and _loss_matches(alt.loss, ref.loss)
-        if alt.images_per_s and sound and alt.images_per_s >= SHORT_GAIN * ref.images_per_s:
+        if alt.images_per_s and _loss_matches(alt.loss, ref.loss) and alt.images_per_s >= SHORT_GAIN * ref.images_per_s:
             best = alt
     return rows, best, (f"no search: ~{plan:.0f} s of training planned, and a search takes ~{search_s:.1f} s, more "
                         f"than the {bench.budget_share:.0%} of it ({share:.1f} s) a tune may take here; "

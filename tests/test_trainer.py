@@ -894,7 +894,8 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_once_at_half(di
     assert fired and not any("Starting over" in m for m in said)  # the user's rate: warned, trained on
 
 
-def test_batch_norm_statistics_are_measured_on_the_trained_weights_at_each_epoch_end(digits_packs, tmp_path):
+def test_batch_norm_statistics_are_measured_on_the_trained_weights_at_each_epoch_end(digits_packs, tmp_path,
+                                                                                     device):
     """torchvision's MobileNetV3 sets momentum 0.01: over 20 steps an epoch its running
     statistics would stay ~80% the initial ones (mean 0, variance 1), and evaluation would read
     them. fit measures them afresh on the weights as trained: the model given back holds the
@@ -904,10 +905,10 @@ def test_batch_norm_statistics_are_measured_on_the_trained_weights_at_each_epoch
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, momentum=0.01), nn.ReLU(),
                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
-    fit(net, train, epochs=1, tune=False, batch_size=64, device="cpu", run_dir=tmp_path / "r", progress=False,
+    fit(net, train, epochs=1, tune=False, batch_size=64, device=device, run_dir=tmp_path / "r", progress=False,
         log=lambda m: None)
     assert net[1].momentum == 0.01 and net[4].momentum == 0.1 and net.training  # the model's own, as given
-    x = torch.cat([b for b, _ in Loader(train, 256, shuffle=False, drop_last=False, device="cpu")])
+    x = torch.cat([b for b, _ in Loader(train, 256, shuffle=False, drop_last=False, device=device)])
     with torch.no_grad():  # what the trained first convolution makes of every training image
         feats = net[0](x)
     mean, var = feats.mean((0, 2, 3)), feats.var((0, 2, 3))

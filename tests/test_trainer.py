@@ -134,9 +134,10 @@ class Explodes(nn.Module):
         return y * float("nan") if self.calls > self.ok else y
 
 
-def test_nan_guard_names_the_step_and_keeps_last_good(digits_packs, tmp_path, device):
+def test_nan_guard_names_the_step_and_keeps_last_good(digits_packs, tmp_path, device, monkeypatch):
     """On CUDA the guard reads the device every 25 steps: step 26 is still named, and the
     checkpoint kept is still the last good one."""
+    monkeypatch.setattr(trainfast.train.trainer, "SAVE_EVERY_S", 0.0)  # every epoch's end saves
     train, test = digits_packs
     run = tmp_path / "run"
     with pytest.raises(TrainfastError, match=r"loss became nan at epoch 2, step 4 \(global step 26\).*last.pt"):
@@ -218,6 +219,7 @@ def test_cosine_schedule_warms_up_linearly_then_decays_to_zero():
 def test_nan_guard_read_late_still_names_the_step_and_keeps_last_good(digits_packs, tmp_path, monkeypatch):
     """The guard as it runs on CUDA (the device read every few steps), here on the CPU."""
     monkeypatch.setitem(trainfast.train.trainer.READ_EVERY, "cpu", 7)
+    monkeypatch.setattr(trainfast.train.trainer, "SAVE_EVERY_S", 0.0)  # epoch 1's end saves (step 22)
     train, test = digits_packs
     with pytest.raises(TrainfastError, match=r"loss became nan at epoch 2, step 4 \(global step 26\).*last.pt"):
         fit(Explodes(25), train, test, config=TrainConfig(epochs=3, save_every=20), speed=Speed(batch_size=64),
@@ -824,6 +826,39 @@ def test_best_pt_is_the_same_file_as_last_pt_under_a_second_name(digits_packs, t
     saved.clear()
     _small_run(small_net_file, train, tmp_path / "other")  # a file system without hard links: written twice
     assert saved == ["last.pt", "best.pt"] and _weights(tmp_path / "other" / "best.pt").keys()
+
+
+def test_short_epochs_save_once_a_minute_and_best_pt_is_the_best_epoch(digits_packs, tmp_path, small_net_file,
+                                                                       monkeypatch):
+    """Epochs of a few seconds write no checkpoint until SAVE_EVERY_S has passed, and the last
+    epoch always writes: a 3-epoch run writes last.pt once. Where the best epoch is not the last,
+    best.pt holds that epoch's weights, kept in memory until the save; with the throttle off,
+    each epoch's end writes, as a long epoch's does."""
+    from trainfast.train import checkpoint, trainer
+    saved, real = [], checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda path, state: (saved.append((path.name, state["state"]["epoch"])),
+                                                                  real(path, state)))
+    accs = iter([0.5, 0.9, 0.7, 0.5, 0.9, 0.7])  # epoch 2 is the best, twice
+    real_eval = trainer.evaluate
+    weights = {}
+
+    def evaluate(model, *a):
+        weights[len(weights)] = {k: v.clone() for k, v in model.state_dict().items()}
+        return {**real_eval(model, *a), "acc": next(accs)}
+    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    train, test = digits_packs
+    run = tmp_path / "run"
+    fit(f"{small_net_file}:small", train, test, config=TrainConfig(epochs=3), speed=Speed(batch_size=64),
+        device="cpu", run_dir=run, progress=False, log=lambda *a: None)
+    assert saved == [("last.pt", 3), ("best.pt", 2)]
+    best = _weights(run / "best.pt")
+    assert all(torch.equal(best[k], weights[1][k]) for k in best)  # epoch 2's weights, not the last epoch's
+    assert _weights(run / "last.pt").keys() == best.keys() and not (run / "best.pt").samefile(run / "last.pt")
+    monkeypatch.setattr(trainer, "SAVE_EVERY_S", 0.0)
+    saved.clear()
+    fit(f"{small_net_file}:small", train, test, config=TrainConfig(epochs=3), speed=Speed(batch_size=64),
+        device="cpu", run_dir=tmp_path / "every", progress=False, log=lambda *a: None)
+    assert saved == [("last.pt", 1), ("last.pt", 2), ("last.pt", 3)]  # best.pt linked at epochs 1 and 2
 
 
 def test_sgd_and_adamw_update_in_one_fused_kernel_and_as_torch_s_loop_does(device):

@@ -265,6 +265,29 @@ def test_the_first_batch_is_sized_to_the_models_cost_on_a_cpu():
     assert tune_mod.start_batch_for(create("cifar_cnn"), (3, 32, 32), cpu, 16) == 16
 
 
+def test_a_cheap_first_forward_skips_the_probe_and_a_dear_one_does_not():
+    """first_forward's time bounds a step's: three times its cost per image over the batch. Where
+    that is within the step's allowance no probe runs (the model here would answer 4 if probed);
+    where it is not, the probe decides, as without it."""
+    import time as _time
+
+    probed = []  # the batches run (the probe runs a copy of the model)
+
+    class Dear(nn.Module):  # a probe finds a step at 8 images or more far too long
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            probed.append(x.shape[0])
+            _time.sleep(0.1 * x.shape[0])
+            return self.conv(x).mean((2, 3))
+    cpu, net = torch.device("cpu"), Dear()
+    assert tune_mod.start_batch_for(net, (3, 8, 8), cpu, 32, step_s=0.5, forward_s=4 * 0.5 / (3 * 32)) == 32
+    assert probed == []
+    assert tune_mod.start_batch_for(net, (3, 8, 8), cpu, 32, step_s=0.5, forward_s=0.1) == 4 and probed
+
+
 def test_a_budget_spent_during_the_final_keeps_the_best_timed(monkeypatch):
     for spent_after in range(1, 16):  # the budget runs out at every point of the search in turn
         slow = _one_second_trials(monkeypatch)

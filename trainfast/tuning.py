@@ -257,7 +257,7 @@ def _fill(run, batch: int, max_batch: int) -> Trial:
 
 
 def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, max_batch: int,
-                    step_s: float = START_STEP_S) -> int:
+                    step_s: float = START_STEP_S, forward_s: float | None = None) -> int:
     """The first batch to try: 64, or on the CPU less where a training step at 64 would take
     more than step_s (the 512² story's CNN: 13 s per step at 64 on 2 cores; a tune of
     several steps per candidate outlasted a one-epoch run).
@@ -267,9 +267,17 @@ def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, m
     where that guess is below 64, confirmed upward: the batch doubles while one step at the
     doubled batch, timed, stays within step_s. A small batch overstates the cost per
     image 2-3×, and one busy moment of a shared machine many times more: a guess from one
-    probe alone started a CIFAR CNN's tune at batch 4 beside other programs."""
+    probe alone started a CIFAR CNN's tune at batch 4 beside other programs.
+
+    `forward_s`, the seconds first_forward took (two forward passes of two images, no
+    gradient), skips the probe where a step at 64 (or max_batch) is surely short: three times
+    that cost per image (a backward costs about two forwards) over the batch, within step_s.
+    A batch of 2 overstates the cost per image 1.4-9× (the 512² CNN, compute-bound: 1.4×;
+    ResNet-18 at 32²: 7×), so that estimate does not fall short of a step's time."""
     b = min(64, max_batch)
     if device.type != "cpu" or b <= START_PROBE:
+        return b
+    if forward_s is not None and 3 * b * forward_s / 4 <= step_s:
         return b
     net = copy.deepcopy(model).eval()  # no dropout: the global random state stays as it was
     gen = torch.Generator().manual_seed(0)
@@ -388,6 +396,7 @@ class _Bench:
         self.plan: dict = {}  # once the reference is timed: its time, and the fastest rate timed so far
         self.slowdown = 1.0  # how much longer than on the quiet machine a compile is expected to take
         self.ref: Trial | None = None
+        self.forward_s: float | None = None  # first_forward's time (start_batch_for)
         self.started = _clock()
 
     def budget(self) -> float | None:
@@ -571,7 +580,8 @@ class _CpuSearch(_Search):
         # spinning process), not one shrunk by the load.
         bench, cores = self.bench, hardware.physical_cores()
         allowance = START_STEP_S * cores / max(cores - (self.other or 0.0), 0.5) if self.busy else START_STEP_S
-        start = self.pinned or start_batch_for(bench.model, bench.input_shape, bench.dev, self.max_batch, allowance)
+        start = self.pinned or start_batch_for(bench.model, bench.input_shape, bench.dev, self.max_batch, allowance,
+                                               bench.forward_s)
         return Speed("fp32", False, batch_size=start)
 
     def extra(self, best: Trial) -> Trial:
@@ -662,7 +672,9 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         max_seconds = STANDALONE_S
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
     check_optimizer(optimizer)  # the arguments before any forward
+    t = time.perf_counter()  # a real clock, not the tests' fake one: it sizes the first batch
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
+    forward_s = time.perf_counter() - t
     if try_rewrites and not rewrite.applies(model):
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer))
@@ -678,6 +690,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     measure = measure or functools.partial(measure_trial, optimizer=optimizer)
     bench = _Bench(model, input_shape, out_shape, dev, measure, log, max_seconds=max_seconds,
                    planned_images=planned_images, budget_share=budget_share)
+    bench.forward_s = forward_s
     threads = torch.get_num_threads()
     other = (other_cores if other_cores is not None else hardware.other_cores_now()) if dev.type == "cpu" else None
     fewer = hardware.free_threads(other, threads) if dev.type == "cpu" else threads

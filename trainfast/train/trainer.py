@@ -66,18 +66,19 @@ def _model_and_name(model) -> tuple[torch.nn.Module, str]:
         raise TrainfastError(str(e)) from None
 
 
-def check_fits(model: torch.nn.Module, pk: Pack, say=None) -> int:
+def check_fits(model: torch.nn.Module, pk: Pack, say=None, out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """The pack's images and labels must be what the model takes and predicts: checked with one
     forward pass of two of the pack's images (on the model's device, in eval mode, no gradient), which also
     materialises lazy modules (nn.LazyLinear) before an optimizer needs their parameters. `say`
     is told which part of the output is trained on where the model returns more than logits,
-    and of a head wider than the pack's classes. Returns the classes per prediction that the
-    data has (the loss watch's chance level is ln of this)."""
+    and of a head wider than the pack's classes. `out`: the model's output for images of this
+    shape where it is known (no forward pass then). Returns the classes per prediction that the
+    data has (the loss watch's chance level is ln of this), and the output."""
     h, w, c = pk.shape
     want = getattr(model, "input_shape", None)
     if want is not None and tuple(want) != (c, h, w):
         raise TrainfastError(f"{pk.path} holds {c}×{h}×{w} images; the model takes {'×'.join(map(str, want))}")
-    out = model_output(model, pk, say)
+    out = model_output(model, pk, say) if out is None else out
     need = pk.sequence_length
     classes = len(pk.alphabet) if need else len(pk.classes or [])
     if need:
@@ -93,7 +94,7 @@ def check_fits(model: torch.nn.Module, pk: Pack, say=None) -> int:
         say(f"note: the model predicts {out.shape[-1]} classes and {pk.path} has {classes}: the other "
             f"{out.shape[-1] - classes} outputs are trained toward never; a head of {classes} "
             f"(num_classes={classes}) is the usual fit")
-    return classes or int(out.shape[-1])
+    return classes or int(out.shape[-1]), out
 
 
 def model_output(model: torch.nn.Module, pk: Pack, say=None) -> torch.Tensor:
@@ -1170,9 +1171,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         raise TrainfastError(str(e)) from None
     train_pk, pin = _training_pack(train, pin, say=log)
     val_pk = None if val is None else _training_pack(val, None, say=log, what="val")[0]
-    classes = check_fits(net, train_pk, say=log)
+    classes, out = check_fits(net, train_pk, say=log)
     if val_pk is not None:
-        check_fits(net, val_pk)
+        check_fits(net, val_pk, out=out if val_pk.shape == train_pk.shape else None)
         a, b = sorted((val_pk.classes or [], train_pk.classes or []), key=len)
         if val_pk.alphabet != train_pk.alphabet or b[:len(a)] != a:  # a split may lack the last classes, no more
             raise TrainfastError(f"{val_pk.path} labels other classes than {train_pk.path} "

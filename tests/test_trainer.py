@@ -890,11 +890,12 @@ def test_sgd_and_adamw_update_in_one_fused_kernel_and_as_torch_s_loop_does(devic
     assert not make_optimizer("adamw", ints, 1e-3, dev).defaults.get("fused")  # not real floating point: the loop
 
 
-def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_once_at_half(digits_packs, tmp_path, monkeypatch):
+def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_at_half(digits_packs, tmp_path, monkeypatch):
     """The loss watch fires on a first attempt at the default rate: the run starts over from
-    its first weights at half that rate, in the same run directory, with the same settings,
-    once; the result is the run a user would get by asking for that rate. A rate the user gave
-    is kept (the watch warns, as before)."""
+    its first weights at half that rate, in the same run directory, with the same settings;
+    the result is the run a user would get by asking for that rate. A rate the user gave is
+    kept (the watch warns, as before). Where half the rate fails too, once more at a quarter
+    (START_OVERS), and no more."""
     from trainfast.config import default_lr
     from trainfast.train import trainer
     train, test = digits_packs
@@ -927,6 +928,25 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_once_at_half(di
     fit(copy.deepcopy(first), train, epochs=3, lr=default_lr("adamw", 64), speed=Speed(batch_size=64), device="cpu",
         run_dir=tmp_path / "given", progress=False, log=said.append)
     assert fired and not any("Starting over" in m for m in said)  # the user's rate: warned, trained on
+
+    def watch_again(losses, epochs, classes, lr, *rest, **kw):  # half the default rate does not learn either
+        if lr >= default_lr("adamw", 64) / 2:
+            fired.append(lr)
+            return "the training loss has not left chance (a stand-in)."
+        return None
+    monkeypatch.setattr(trainer, "loss_watch", watch_again)
+    fired.clear()
+    said.clear()
+    r = fit(copy.deepcopy(first), train, test, epochs=3, speed=Speed(batch_size=64), device="cpu",
+            run_dir=tmp_path / "twice", progress=False, log=said.append)
+    assert sum("Starting over from the first weights at half the learning rate" in m for m in said) == 2
+    assert r.stopped == "finished" and len(r.history) == 3 and min(fired) == pytest.approx(half)
+    assert json.loads((tmp_path / "twice" / "config.json").read_text())["lr"] == pytest.approx(half / 2)
+    monkeypatch.setattr(trainer, "loss_watch", lambda *a, **kw: "the training loss has not left chance (a stand-in).")
+    said.clear()
+    r = fit(copy.deepcopy(first), train, test, epochs=3, speed=Speed(batch_size=64), device="cpu",
+            run_dir=tmp_path / "always", progress=False, log=said.append)
+    assert sum("Starting over" in m for m in said) == 2 and r.stopped == "finished"  # then warned, trained on
 
 
 def test_batch_norm_statistics_are_measured_on_the_trained_weights_at_each_epoch_end(digits_packs, tmp_path,

@@ -956,8 +956,8 @@ def _determinism(on: bool):
 
 
 class _StartOver(Exception):
-    """Raised by a first attempt at the default learning rate whose loss watch fired with epochs
-    left: fit starts the run over once, from the first weights, at half that rate."""
+    """Raised by an attempt at the default learning rate (or half of it, ...) whose loss watch fired
+    with epochs left: fit starts the run over from the first weights at half that rate (_start_over)."""
 
     def __init__(self, why: str, run_dir: Path, speed: Speed, lr: float, first_weights: dict):
         super().__init__(why)
@@ -1013,35 +1013,46 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
             try:
                 with contextlib.ExitStack() as stack:
                     return _fit(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, tune, progress,
-                                log, stack, may_start_over=not resume)
+                                log, stack, start_overs=0 if resume or cfg.lr else START_OVERS)
             except _StartOver as again:
                 return _start_over(again, model, train, val, cfg, pin, augment, device, progress, log)
         finally:
             torch.set_num_threads(threads)
 
 
+START_OVERS = 2
+"""A run at the default rate starts over at most this often, each time at half the last rate."""
+
+
 def _start_over(again: _StartOver, model, train, val, cfg: TrainConfig, pin, augment, device, progress, log):
-    """The run again from its first weights, at half the default rate it could not learn at, in
-    the same run directory (emptied of what the first attempt wrote: the directory was empty
-    or new when it began), with the settings the first attempt tuned. Measured on outside
-    models (digits, 5 epochs): SqueezeNet's ReLU'd outputs die at AdamW's default peak (2.1e-3 at
-    batch 32) and a ViT-tiny stays at chance; at 1e-3 they reach 56% and 58%, where a lower
-    default for every model cost ShuffleNet 28 points."""
-    lr = again.lr / 2
-    log(f"warning: {again.why} Starting over from the first weights at half the learning rate, {lr:.3g} (the "
-        f"default, {again.lr:.3g}, is too high for some models); --lr sets it yourself.")
-    if isinstance(model, torch.nn.Module):  # a model built by name is built again from the seed
-        with torch.no_grad():
-            model.load_state_dict(again.first_weights)
-    for name in RUN_FILES:
-        with contextlib.suppress(FileNotFoundError):
-            (again.run_dir / name).unlink()
-    for tmp in files.stale_temporaries(again.run_dir, RUN_FILES):
-        tmp.unlink()
-    pin = {**(pin or {}), "batch_size": again.speed.batch_size}
-    with contextlib.ExitStack() as stack:
-        return _fit(model, train, val, replace(cfg, lr=lr), again.speed, pin, augment, device, again.run_dir, None,
-                    False, progress, log, stack, may_start_over=False)
+    """The run again from its first weights, at half the rate it could not learn at, in the same
+    run directory (emptied of what the attempt before wrote: the directory was empty or new when
+    it began), with the settings the first attempt tuned; at most START_OVERS times. Measured on
+    outside models (digits, 5 epochs): SqueezeNet's ReLU'd outputs die at AdamW's default peak
+    (2.1e-3 at batch 32) and a ViT-tiny stays at chance; at 1e-3 they reach 56% and 58%, where a
+    lower default for every model cost ShuffleNet 28 points. SqueezeNet dies at 1.06e-3 too in
+    about half of its runs (in fp32 and bf16 alike), and reaches 68-86% at 5.3e-4."""
+    left = START_OVERS
+    while True:  # an attempt with no start-overs left returns, or raises what stopped it
+        left -= 1
+        lr = again.lr / 2
+        log(f"warning: {again.why} Starting over from the first weights at half the learning rate, {lr:.3g} "
+            f"({again.lr:.3g} is too high for some models); --lr sets it yourself.")
+        if isinstance(model, torch.nn.Module):  # a model built by name is built again from the seed
+            with torch.no_grad():
+                model.load_state_dict(again.first_weights)
+        for name in RUN_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                (again.run_dir / name).unlink()
+        for tmp in files.stale_temporaries(again.run_dir, RUN_FILES):
+            tmp.unlink()
+        pin = {**(pin or {}), "batch_size": again.speed.batch_size}
+        try:
+            with contextlib.ExitStack() as stack:
+                return _fit(model, train, val, replace(cfg, lr=lr), again.speed, pin, augment, device, again.run_dir,
+                            None, False, progress, log, stack, start_overs=left)
+        except _StartOver as later:
+            again = later
 
 
 def _augment(augment) -> Augment | None:
@@ -1153,7 +1164,7 @@ def _given_back(user: torch.nn.Module) -> None:
 
 
 def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, saved, tune, progress, log,
-         stack: contextlib.ExitStack, may_start_over: bool = False):
+         stack: contextlib.ExitStack, start_overs: int = 0):
     """fit, after its arguments are read; `saved` is the run's config.json when resuming; the run
     directory's lock is held on `stack` (released when fit returns or fails)."""
     setup = hardware.OtherLoad().__enter__()  # other processes' load, sampled while the run sets up (_Threads)
@@ -1185,10 +1196,10 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         raise TrainfastError(f"{run_dir}: another node has no such run directory to resume; every node reads it "
                              "(config.json, last.pt): put it on a file system all nodes share, or copy it to each")
     given = net.to(dev)  # trained in place: its parameters and buffers live on the device from here
-    # A first attempt at the default rate may start over once at half of it (_start_over), from
-    # these first weights, kept on the CPU.
+    # An attempt at the default rate (or at a fraction of it, after a start-over) may start over at
+    # half of it (_start_over, at most START_OVERS times), from these first weights, kept on the CPU.
     first_weights = None
-    if may_start_over and not cfg.lr and cfg.loss_watch and not cfg.minutes and not world.distributed:
+    if start_overs and cfg.loss_watch and not cfg.minutes and not world.distributed:
         first_weights = {k: v.detach().to("cpu", copy=True) for k, v in given.state_dict().items()}
     net = _working_copy(given)
     say = log if world.is_main else (lambda *a, **k: None)

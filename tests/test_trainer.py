@@ -894,8 +894,8 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_at_half(digits_
     """The loss watch fires on a first attempt at the default rate: the run starts over from
     its first weights at half that rate, in the same run directory, with the same settings;
     the result is the run a user would get by asking for that rate. A rate the user gave is
-    kept (the watch warns, as before). Where half the rate fails too, once more at a quarter
-    (START_OVERS), and no more."""
+    kept (the watch warns, as before). Where the attempt at half the rate dies too, once more at
+    a quarter (START_OVERS), and no more; where it lives, it trains on."""
     from trainfast.config import default_lr
     from trainfast.train import trainer
     train, test = digits_packs
@@ -935,6 +935,7 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_at_half(digits_
             return "the training loss has not left chance (a stand-in)."
         return None
     monkeypatch.setattr(trainer, "loss_watch", watch_again)
+    monkeypatch.setattr(trainer, "diverging", lambda *a: True)  # each attempt's loss "climbs": hopeless, a dead run
     fired.clear()
     said.clear()
     r = fit(copy.deepcopy(first), train, test, epochs=3, speed=Speed(batch_size=64), device="cpu",
@@ -944,9 +945,15 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_at_half(digits_
     assert json.loads((tmp_path / "twice" / "config.json").read_text())["lr"] == pytest.approx(half / 2)
     monkeypatch.setattr(trainer, "loss_watch", lambda *a, **kw: "the training loss has not left chance (a stand-in).")
     said.clear()
+    with pytest.raises(TrainfastError, match="a stand-in"):  # dead at every rate: the third attempt stops
+        fit(copy.deepcopy(first), train, test, epochs=3, speed=Speed(batch_size=64), device="cpu",
+            run_dir=tmp_path / "dead", progress=False, log=said.append)
+    assert sum("Starting over" in m for m in said) == 2
+    monkeypatch.setattr(trainer, "diverging", lambda *a: False)  # alive (its gradients flow), but not learning
+    said.clear()
     r = fit(copy.deepcopy(first), train, test, epochs=3, speed=Speed(batch_size=64), device="cpu",
-            run_dir=tmp_path / "always", progress=False, log=said.append)
-    assert sum("Starting over" in m for m in said) == 2 and r.stopped == "finished"  # then warned, trained on
+            run_dir=tmp_path / "alive", progress=False, log=said.append)
+    assert sum("Starting over" in m for m in said) == 1 and r.stopped == "finished"  # the second trains on, warned
 
 
 def test_batch_norm_statistics_are_measured_on_the_trained_weights_at_each_epoch_end(digits_packs, tmp_path,

@@ -1021,7 +1021,8 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
 
 
 START_OVERS = 2
-"""A run at the default rate starts over at most this often, each time at half the last rate."""
+"""A run at the default rate starts over at most this often, each time at half the last rate:
+the first attempt whenever its loss watch fires with epochs left, the second only where it died."""
 
 
 def _start_over(again: _StartOver, model, train, val, cfg: TrainConfig, pin, augment, device, progress, log):
@@ -1031,7 +1032,8 @@ def _start_over(again: _StartOver, model, train, val, cfg: TrainConfig, pin, aug
     outside models (digits, 5 epochs): SqueezeNet's ReLU'd outputs die at AdamW's default peak
     (2.1e-3 at batch 32) and a ViT-tiny stays at chance; at 1e-3 they reach 56% and 58%, where a
     lower default for every model cost ShuffleNet 28 points. SqueezeNet dies at 1.06e-3 too in
-    about half of its runs (in fp32 and bf16 alike), and reaches 68-86% at 5.3e-4."""
+    about half of its runs (in fp32 and bf16 alike), and reaches 68-86% at 5.3e-4: an attempt
+    that dies at half the rate starts over once more (one that lives trains on)."""
     left = START_OVERS
     while True:  # an attempt with no start-overs left returns, or raises what stopped it
         left -= 1
@@ -1357,7 +1359,11 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     # A model whose gradients still flow may leave chance late (a ViT on digits at
                     # epoch 4 of 5): it is told once, and trains on.
                     hopeless = frozen or diverging(state["losses"], classes)
-                    if first_weights is not None and state["epoch"] < cfg.epochs:
+                    # The first attempt starts over whenever the watch fires; a later one only where it
+                    # died, which would otherwise end the run in an error (one alive at half the rate
+                    # trains on: a quarter of it left plates-reading mobile nets further under chance).
+                    if first_weights is not None and state["epoch"] < cfg.epochs and (
+                            hopeless or start_overs == START_OVERS):
                         raise _StartOver(why, run_dir, run.speed, lr, first_weights)
                     if hopeless and state["epoch"] < cfg.epochs:  # epochs left: stop rather than spend them
                         run.flush(epoch)

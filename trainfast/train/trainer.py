@@ -405,9 +405,10 @@ improving epoch not saved at once is kept in memory as best.pt, and written with
 
 
 def _copied(tree):
-    """A checkpoint's contents with every tensor and list copied: a snapshot training cannot change."""
+    """A checkpoint's contents with every tensor and list copied, tensors to the CPU: a snapshot
+    training cannot change, which takes no device memory (checkpoints load on the CPU anyway)."""
     if torch.is_tensor(tree):
-        return tree.detach().clone()
+        return tree.detach().to("cpu", copy=True)
     if isinstance(tree, dict):
         return {k: _copied(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):

@@ -861,6 +861,17 @@ def test_short_epochs_save_once_a_minute_and_best_pt_is_the_best_epoch(digits_pa
     assert saved == [("last.pt", 1), ("last.pt", 2), ("last.pt", 3)]  # best.pt linked at epochs 1 and 2
 
 
+def test_forward_passes_without_a_gradient_take_a_larger_batch_within_a_bound():
+    """Evaluation and the batch-norm measurement: the training batch's largest multiple within
+    256 images and 32 MB of uint8 input, never below the training batch."""
+    from types import SimpleNamespace
+
+    from trainfast.train.trainer import forward_batch
+    small, big = SimpleNamespace(shape=(32, 32, 3)), SimpleNamespace(shape=(512, 512, 3))
+    assert [forward_batch(b, small) for b in (32, 24, 100, 512)] == [256, 240, 200, 512]
+    assert [forward_batch(b, big) for b in (4, 5, 64)] == [40, 40, 64]
+
+
 def test_sgd_and_adamw_update_in_one_fused_kernel_and_as_torch_s_loop_does(device):
     """make_optimizer fuses SGD and AdamW on CPU and CUDA (torch's default AdamW loops over the
     tensors on a CPU: 5.7× slower for ResNet-18's 11M parameters), with the loop's results."""

@@ -386,7 +386,7 @@ class _Bench:
     loss. The searches (_CpuSearch, _CudaSearch) only decide what to time next."""
 
     def __init__(self, model, input_shape, out_shape, dev, measure, log, *, max_seconds, planned_images,
-                 budget_share):
+                 budget_share, forward_s: float | None = None):
         self.model, self.input_shape, self.out_shape, self.dev = model, input_shape, out_shape, dev
         self.measure, self.log = measure, log
         self.max_seconds, self.planned_images, self.budget_share = max_seconds, planned_images, budget_share
@@ -396,7 +396,7 @@ class _Bench:
         self.plan: dict = {}  # once the reference is timed: its time, and the fastest rate timed so far
         self.slowdown = 1.0  # how much longer than on the quiet machine a compile is expected to take
         self.ref: Trial | None = None
-        self.forward_s: float | None = None  # first_forward's time (start_batch_for)
+        self.forward_s = forward_s  # first_forward's time (start_batch_for)
         self.started = _clock()
 
     def budget(self) -> float | None:
@@ -689,8 +689,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         probe = functools.partial(measure_trial, optimizer=optimizer, steps=QUICK_STEPS, warmup=1, min_seconds=0.0)
     measure = measure or functools.partial(measure_trial, optimizer=optimizer)
     bench = _Bench(model, input_shape, out_shape, dev, measure, log, max_seconds=max_seconds,
-                   planned_images=planned_images, budget_share=budget_share)
-    bench.forward_s = forward_s
+                   planned_images=planned_images, budget_share=budget_share, forward_s=forward_s)
     threads = torch.get_num_threads()
     other = (other_cores if other_cores is not None else hardware.other_cores_now()) if dev.type == "cpu" else None
     fewer = hardware.free_threads(other, threads) if dev.type == "cpu" else threads

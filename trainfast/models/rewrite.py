@@ -41,13 +41,28 @@ def _last_leaf(m: nn.Module) -> nn.Module:
     return m
 
 
+def _relu_then_pool(seq: nn.Sequential, i: int) -> bool:
+    """seq[i] is a ReLU directly followed by a MaxPool2d (pool_before_relu swaps them)."""
+    return type(seq[i]) is nn.ReLU and type(seq[i + 1]) is nn.MaxPool2d
+
+
+def _relu_on_fresh(seq: nn.Sequential, i: int) -> bool:
+    """seq[i] is a ReLU, not in-place, whose input is a fresh tensor no one else reads (inplace_relu)."""
+    return type(seq[i]) is nn.ReLU and not seq[i].inplace and isinstance(_last_leaf(seq[i - 1]), _FRESH_OUTPUT)
+
+
+def _plain_dropout(m: nn.Module) -> bool:
+    """An nn.Dropout, not a subclass, not in-place (cheap_dropout replaces it)."""
+    return type(m) is nn.Dropout and not m.inplace
+
+
 def pool_before_relu(model: nn.Module) -> int:
     """Swap each ReLU that is directly followed by a MaxPool2d in a Sequential."""
     n = 0
     for seq in _sequentials(model):
         i = 0
         while i < len(seq) - 1:
-            if type(seq[i]) is nn.ReLU and type(seq[i + 1]) is nn.MaxPool2d:
+            if _relu_then_pool(seq, i):
                 relu, pool = seq[i], seq[i + 1]
                 seq[i], seq[i + 1] = pool, relu
                 n += 1
@@ -61,7 +76,7 @@ def inplace_relu(model: nn.Module) -> int:
     n = 0
     for seq in _sequentials(model):
         for i in range(1, len(seq)):
-            if type(seq[i]) is nn.ReLU and not seq[i].inplace and isinstance(_last_leaf(seq[i - 1]), _FRESH_OUTPUT):
+            if _relu_on_fresh(seq, i):
                 seq[i].inplace = True
                 n += 1
     return n
@@ -115,7 +130,7 @@ def cheap_dropout(model: nn.Module) -> int:
     n = 0
     for parent in model.modules():
         for name, child in parent.named_children():
-            if type(child) is nn.Dropout and not child.inplace:
+            if _plain_dropout(child):
                 new = CheapDropout(child.p)
                 new.train(child.training)
                 setattr(parent, name, new)
@@ -128,12 +143,10 @@ def applies(model: nn.Module) -> bool:
     any(apply(copy.deepcopy(model), ALL).values()) says, without the copy (deep-copying a module
     tree is slow in Python: 0.1-0.2 s for timm's RepVGG, before a 5-epoch run's first step)."""
     for seq in _sequentials(model):
-        for i in range(1, len(seq)):
-            if type(seq[i - 1]) is nn.ReLU and type(seq[i]) is nn.MaxPool2d:
-                return True
-            if type(seq[i]) is nn.ReLU and not seq[i].inplace and isinstance(_last_leaf(seq[i - 1]), _FRESH_OUTPUT):
-                return True
-    return any(type(m) is nn.Dropout and not m.inplace for m in model.modules())
+        if any(_relu_then_pool(seq, i) for i in range(len(seq) - 1)) or \
+                any(_relu_on_fresh(seq, i) for i in range(1, len(seq))):
+            return True
+    return any(_plain_dropout(m) for m in model.modules())
 
 
 PASSES: dict[str, Callable[[nn.Module], int]] = {

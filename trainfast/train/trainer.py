@@ -957,8 +957,9 @@ def _determinism(on: bool):
 
 
 class _StartOver(Exception):
-    """Raised by an attempt at the default learning rate (or half of it, ...) whose loss watch fired
-    with epochs left: fit starts the run over from the first weights at half that rate (_start_over)."""
+    """Raised by an attempt at trainfast's own learning rate (the default, or a fraction of it after
+    a start-over) whose loss watch fired with epochs left: fit starts the run over from the first
+    weights at half that rate (_start_over)."""
 
     def __init__(self, why: str, run_dir: Path, speed: Speed, lr: float, first_weights: dict):
         super().__init__(why)

@@ -1002,3 +1002,63 @@ def test_fit_samples_other_processes_load_once_for_its_threads_and_its_tune(digi
     fit(net, train, epochs=1, device="cpu", run_dir=tmp_path / "r", progress=False, log=said.append)
     assert any(m.startswith("chosen:") or "no search" in m for m in said), said  # it was tuned
     assert len(calls) == 1
+
+
+def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tmp_path, monkeypatch):
+    """A run too short for a search (one CPU process) times tune's likeliest winner on its own
+    first steps, not on a copy: three at the first setting, three at the candidate; it keeps
+    the candidate where it ran SHORT_GAIN× faster and its loss on the same batch matched, else
+    goes back. config.json and speed.json say what it trains with; every step trained."""
+    from trainfast import tuning
+    from trainfast.train import trainer
+
+    train, test = digits_packs
+    monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path / "cache"))
+    other_load(monkeypatch, 0.0, machine_cores=None)
+    said = []
+    r = fit(_bn_net(), train, test, epochs=1, device="cpu", run_dir=tmp_path / "real", progress=False,
+            log=said.append)  # the real tune: 1,438 images for one epoch are far too few for a search
+    tried = json.loads((tmp_path / "real" / "speed.json").read_text())["tried"]
+    first = [row for row in tried if row["note"] == "the run's first steps"]
+    assert len(first) == 2 and any(m.startswith("first steps: ") for m in said), said
+    assert r.speed.label() in {row["label"] for row in first}
+    assert Speed(**json.loads((tmp_path / "real" / "config.json").read_text())["speed"]) == r.speed
+
+    ref, candidate = Speed("fp32", False, batch_size=32), Speed("fp32", True, batch_size=32)
+
+    def short_tune(model, shape, **kw):
+        assert kw["compare_in_run"]
+        return tuning.TuneResult(ref, [tuning.Trial(ref, 1000.0, 2.3, note="a quick timing")], short="no search",
+                                 candidate=candidate)
+    monkeypatch.setattr(tuning, "tune", short_tune)
+    switched = []
+    real_use = trainer._use
+    monkeypatch.setattr(trainer, "_use", lambda run, new: (switched.append(new.label()), real_use(run, new)))
+    for gain, kept in ((0.0, candidate), (1e9, ref)):
+        monkeypatch.setattr(tuning, "SHORT_GAIN", gain)
+        said.clear(), switched.clear()
+        run = tmp_path / f"gain-{gain:g}"
+        net = _bn_net()
+        r = fit(net, train, test, epochs=2, device="cpu", run_dir=run, progress=False, log=said.append)
+        assert r.speed == kept and r.stopped == "finished"
+        assert switched == ([candidate.label()] if kept == candidate else [candidate.label(), ref.label()])
+        assert any(m.startswith(f"first steps: {candidate.label()} ran") and m.endswith(kept.label()) for m in said)
+        assert Speed(**json.loads((run / "config.json").read_text())["speed"]) == kept
+        assert [row["note"] for row in json.loads((run / "speed.json").read_text())["tried"]] == [
+            "a quick timing", "the run's first steps", "the run's first steps"]
+        assert all(p.is_contiguous() for p in net.parameters())  # given back in its own layout
+        assert r.history[-1]["val_acc"] > 0.5 and all(math.isfinite(row["train_loss"]) for row in r.history)
+
+    monkeypatch.setattr(tuning, "_loss_matches", lambda loss, ref_loss: False)  # the candidate's loss is off
+    said.clear(), switched.clear()
+    r = fit(_bn_net(), train, test, epochs=1, device="cpu", run_dir=tmp_path / "unsound", progress=False,
+            log=said.append)
+    assert r.speed == ref and switched == [candidate.label(), ref.label()]
+    assert any(m.startswith(f"first steps: {candidate.label()} left out: its loss on the same batch") for m in said)
+
+
+def _bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(32 * 8 * 8, 10))

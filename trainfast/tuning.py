@@ -100,6 +100,7 @@ class TuneResult:
     threads: int | None = None  # the CPU threads it timed with, where the load made it fewer than the default
     key: str = ""  # its entry in the cache (forget drops it)
     short: str = ""  # why no search was made (a run too short for one to pay), in words; "" where one was
+    candidate: Speed | None = None  # a short run's likeliest winner, left to the run's first steps (compare_in_run)
 
     @property
     def busy(self) -> bool:
@@ -613,7 +614,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
          budget_share: float = 0.0, max_seconds: float | None = None, try_compile: bool = True,
          try_rewrites: bool = True, optimizer: str = "adamw", retune: bool = False,
          measure: Callable[..., Trial] | None = None, probe: Callable[..., Trial] | None = None,
-         other_cores: float | None = None, log=print) -> TuneResult:
+         other_cores: float | None = None, compare_in_run: bool = False, log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
 
         trainfast.tune(model, "cifar.pack")     # the pack's shape; the batch bounded by its images, as fit bounds it
@@ -646,6 +647,9 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             that judgement is not made.
         other_cores: the cores other processes kept busy, sampled by the caller just before
             (fit samples them once for its threads and its tune); None: sampled here.
+        compare_in_run: a short run's comparison (below) is the run's to make: the result's
+            `candidate` is the likeliest winner, untimed, and fit times it on its first steps
+            (one process on a CPU: trainer._FirstSteps) instead of on a copy of the model here.
 
     A short run gets no search: given planned_images and budget_share (fit's tune), a quick
     timing of the first setting says how long the training will take; where budget_share of
@@ -706,15 +710,16 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     try:
         if fewer:
             torch.set_num_threads(fewer)
-        short = _short_run(probe, bench, search) if probe and planned_images and budget_share else None
+        short = _short_run(probe, bench, search, compare_in_run) if probe and planned_images and budget_share \
+            else None
         if short:
-            rows, trial, why = short
+            rows, trial, why, candidate = short
             for r in rows:
                 log(f"  {r.speed.label():53s} {units.rate(r.images_per_s) + ' images/s' if r.images_per_s else r.note}")
             log(f"  {why}")
             loads = [r.other_cores for r in rows if r.other_cores is not None]
             return TuneResult(trial.speed, rows, seconds=_clock() - bench.started, threads=fewer, key=key, short=why,
-                              other_cores=max(loads) if loads else None)
+                              other_cores=max(loads) if loads else None, candidate=candidate)
         log(f"tuning on {dev}: {'the batch that fills the GPU, then ' if cuda and not batch_size else ''}"
             f"precision × memory format{', rewrites' if try_rewrites else ''}, then batch size (up to {max_batch}), "
             f"{'' if cuda else 'threads, '}a round-robin final{', compile' if try_compile else ''}")
@@ -739,14 +744,17 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     return result
 
 
-def _short_run(probe, bench: _Bench, search: "_Search") -> tuple[list[Trial], Trial, str] | None:
-    """(the quick timings, the faster, why no search) where the run fit's tune serves is too
-    short for a search to pay: budget_share of its planned training, at the rate a few steps
-    of the search's first setting run, would not cover the search's first two measurements
-    (each MIN_SECONDS plus four steps). Such a run is given one quick comparison instead: the
-    first setting against the likeliest winner (the fastest precision the device runs, in
-    channels_last), the latter taken only where it is SHORT_GAIN× faster with a sound loss.
-    None where the run is long enough, or the quick timing failed (the search then says why)."""
+def _short_run(probe, bench: _Bench, search: "_Search", in_run: bool = False
+               ) -> tuple[list[Trial], Trial, str, Speed | None] | None:
+    """(the quick timings, the faster, why no search, the setting left to the run to compare)
+    where the run fit's tune serves is too short for a search to pay: budget_share of its
+    planned training, at the rate a few steps of the search's first setting run, would not
+    cover the search's first two measurements (each MIN_SECONDS plus four steps). Such a run is
+    given one quick comparison instead: the first setting against the likeliest winner (the
+    fastest precision the device runs, in channels_last), the latter taken only where it is
+    SHORT_GAIN× faster with a sound loss; timed here on a copy, or, `in_run`, returned untimed
+    for the run to time on its own first steps. None where the run is long enough, or the
+    quick timing failed (the search then says why)."""
     def quick(speed: Speed) -> Trial:
         with hardware.OtherLoad() as load:
             trial = probe(bench.model, bench.input_shape, bench.out_shape, speed, bench.dev)
@@ -764,18 +772,21 @@ def _short_run(probe, bench: _Bench, search: "_Search") -> tuple[list[Trial], Tr
     share = bench.budget_share * plan
     if share >= search_s:
         return None
-    rows, best = [ref], ref
+    rows, best, candidate = [ref], ref, None
     likely = next((Speed(p, True, batch_size=first.batch_size) for p in search.precisions
                    if _step.check(Speed(p, True, batch_size=first.batch_size), bench.dev) is None), None)
-    if likely is not None and likely != first:
+    if likely is not None and likely != first and in_run:
+        candidate = likely
+    elif likely is not None and likely != first:
         alt = quick(likely)
         rows.append(alt)
         if alt.images_per_s and _loss_matches(alt.loss, ref.loss) and alt.images_per_s >= SHORT_GAIN * ref.images_per_s:
             best = alt
+    how = (f"{likely.label()} is compared on the run's first steps" if candidate else
+           "one quick comparison instead" if len(rows) > 1 else "a quick timing instead")
     return rows, best, (f"no search: ~{plan:.0f} s of training planned, and a search takes ~{search_s:.1f} s, more "
-                        f"than the {bench.budget_share:.0%} of it ({share:.1f} s) a tune may take here; "
-                        f"{'one quick comparison instead' if len(rows) > 1 else 'a quick timing instead'}. "
-                        "A longer run (more epochs or images) searches")
+                        f"than the {bench.budget_share:.0%} of it ({share:.1f} s) a tune may take here; {how}. "
+                        "A longer run (more epochs or images) searches"), candidate
 
 
 def forget(result: TuneResult) -> None:

@@ -443,6 +443,7 @@ class _Run:
     saved: tuple[int, float] = (-1, 0.0)  # the step of the last checkpoint written, and when (set at the start)
     best_step: int = -1  # the step at which the best epoch ended
     best_ck: dict | None = None  # that epoch's checkpoint, where it is not yet written (SAVE_EVERY_S)
+    first_steps: _FirstSteps | None = None  # a short run's comparison on its first steps, until it is made
 
     def plot(self, force: bool = False) -> None:
         """Redraw curves.png with the rows so far: at most every PLOT_EVERY_S, and when `force`d
@@ -458,35 +459,39 @@ class _Run:
         """The steps of `epoch` from where the loader stands; the epoch's training row."""
         from tqdm.auto import tqdm
 
-        state, loader, speed, cfg = self.state, self.loader, self.speed, self.cfg
+        state, loader, cfg = self.state, self.loader, self.cfg
         self.trained.train()  # a model handed over in eval mode trains in training mode (batch norm, dropout)
         if loader.position == 0:
             loader.set_epoch(epoch)
         started, done_before, steps = time.perf_counter(), loader.position, len(loader)
         bar = tqdm(total=steps, initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.epochs}", unit="step",
                    disable=not (progress and self.world.is_main), dynamic_ncols=True, leave=True)
-        waited, ready = 0.0, time.perf_counter()
+        waited, ready, said = 0.0, time.perf_counter(), ""
         for x, y in loader:
             waited += time.perf_counter() - ready
             with interrupts.step():
-                loss, out = _step.forward_loss(self.trained, x, y, speed, self.dev, cfg.label_smoothing)
+                loss, out = _step.forward_loss(self.trained, x, y, self.speed, self.dev, cfg.label_smoothing)
                 _step.backward(loss, self.scaler)
                 _step.optimizer_step(self.opt, self.scaler, cfg.clip, self.net)
                 self.sched.step()
                 state.update(step=state["step"] + 1, position=state["position"] + 1)
                 self.watch.add(loss, out, y, state["step"])
+                if self.first_steps is not None and self.first_steps.after_step(self, x, y):
+                    said, self.first_steps = self.first_steps.line, None
             bar.update(1)
             if cfg.save_every and state["step"] % cfg.save_every == 0:
                 self.save(epoch)
             elif state["step"] % self.watch.every == 0:
                 self.check(epoch)
             if state["step"] % self.watch.every == 0 or bar.n == steps:
-                rate = (bar.n - done_before) * speed.batch_size * self.world.size / (time.perf_counter() - started)
+                rate = (bar.n - done_before) * loader.batch_size * self.world.size / (time.perf_counter() - started)
                 bar.set_postfix_str(f"loss {self.watch.loss:.3f}, {units.rate(rate)} img/s", refresh=False)
             ready = time.perf_counter()
         self.check(epoch)
         bar.close()
-        images = (steps - done_before) * speed.batch_size * self.world.size
+        if said:
+            self.say(said)
+        images = (steps - done_before) * loader.batch_size * self.world.size
         row = _epoch_row(epoch, state["partial"], self.sched, time.perf_counter() - started, images, self.world)
         return {**row, "waited": waited}  # seconds the steps waited for batches (not a metrics.csv column)
 
@@ -678,6 +683,17 @@ def _retune(run: "_Run", given: torch.nn.Module, pk: Pack, pin: dict, images: in
     if new.label() == old.label():
         say(f"re-tuned at batch {old.batch_size} in {took:.1f} s: {old.label()} is still the fastest setting here")
         return
+    _use(run, new)
+    rate = _timed_rate(rows, new.label())
+    say(f"re-tuned at batch {old.batch_size} in {took:.1f} s: training on with {new.label()}"
+        f"{f' ({units.rate(rate)} images/s as timed)' if rate else ''}, was {old.label()}")
+    _record_speed(run)
+
+
+def _use(run: "_Run", new: Speed) -> None:
+    """Train on with `new`'s precision, memory format, rewrites and compile from the next step
+    (one process; the batch stays): the model and the optimizer's moments in its memory format."""
+    old = run.speed
     _step.prepare(run.net, new, run.dev)  # the rewrites, the memory format
     if old.channels_last and not new.channels_last:
         run.net.to(memory_format=torch.contiguous_format)
@@ -688,12 +704,82 @@ def _retune(run: "_Run", given: torch.nn.Module, pk: Pack, pin: dict, images: in
     run.trained = _step.compile_model(run.net, run.dev) if new.compile else run.net
     run.scaler = _step.make_scaler(new, run.dev)
     run.speed = new
-    rate = _timed_rate(rows, new.label())
-    say(f"re-tuned at batch {old.batch_size} in {took:.1f} s: training on with {new.label()}"
-        f"{f' ({units.rate(rate)} images/s as timed)' if rate else ''}, was {old.label()}")
-    if run.world.is_main:
-        config = json.loads((run.run_dir / "config.json").read_text())
-        files.write_text(run.run_dir / "config.json", json.dumps({**config, "speed": new.to_dict()}, indent=1))
+
+
+def _record_speed(run: "_Run", tried: list[dict] | None = None) -> None:
+    """config.json's setting is the run's now (a resume goes on with it); speed.json adds `tried`."""
+    if not run.world.is_main:
+        return
+    for name, extra in (("config.json", {}), ("speed.json", {"tried": tried} if tried is not None else None)):
+        if extra is None:
+            continue
+        saved = json.loads((run.run_dir / name).read_text())
+        files.write_text(run.run_dir / name, json.dumps({**saved, "speed": run.speed.to_dict(), **extra}, indent=1))
+
+
+class _FirstSteps:
+    """tune's quick comparison for a run too short to search, made on the run's own first
+    steps rather than on a copy of the model: after WARM steps, TIMED steps are timed at the
+    setting the run starts with; then the likeliest winner (tune's `candidate`: the fastest
+    precision the device runs, in channels_last), whose loss on the same batch from the same
+    weights must match (tuning._loss_matches, forward passes without a gradient, batch-norm
+    statistics and random streams put back), trains WARM + TIMED steps, timed the same way.
+    The run keeps it where it ran SHORT_GAIN× faster, else goes back. Every step trains: the
+    comparison costs two forward passes and the candidate's warm-up, where timing it on a
+    copy cost the copy and WARM + 1 steps that trained nothing. One process on a CPU only (a
+    GPU's timing would need synchronising; under torchrun every rank would have to switch at once)."""
+
+    WARM, TIMED = 1, 2
+
+    def __init__(self, run: "_Run", candidate: Speed, tried: list[dict]):
+        self.first, self.candidate, self.tried = run.speed, candidate, tried
+        self.steps, self.began, self.load = 0, 0.0, None
+        self.timed: dict[str, dict] = {}
+        self.line = ""  # what it found, said after the epoch's progress bar
+
+    def after_step(self, run: "_Run", x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Called after each of the run's steps with its batch; True once the comparison is over."""
+        from trainfast.tuning import SHORT_GAIN, Trial, _loss_matches
+
+        self.steps += 1
+        n, per = self.steps, self.WARM + self.TIMED
+        if n in (self.WARM, per + self.WARM):
+            self.began, self.load = time.perf_counter(), hardware.OtherLoad().__enter__()
+            return False
+        if n not in (per, 2 * per):
+            return False
+        seconds = time.perf_counter() - self.began
+        self.load.__exit__(None, None, None)
+        self.timed[run.speed.label()] = Trial(run.speed, self.TIMED * x.shape[0] / seconds, note="the run's first steps",
+                                              other_cores=self.load.cores).to_dict()
+        if n == per:  # the first setting timed: the candidate's loss on this batch, then its steps
+            losses = []
+            for speed in (self.first, self.candidate):
+                if speed is self.candidate:
+                    _use(run, speed)
+                with _step.kept_state(run.net), torch.no_grad():
+                    losses.append(_step.forward_loss(run.trained, x, y, speed, run.dev, run.cfg.label_smoothing)[0]
+                                  .item())
+            self.timed[self.first.label()]["loss"] = losses[0]
+            if _loss_matches(losses[1], losses[0]):
+                return False
+            _use(run, self.first)
+            self.line = (f"first steps: {self.candidate.label()} left out: its loss on the same batch, "
+                         f"{losses[1]:.4g}, is not {self.first.label()}'s {losses[0]:.4g}")
+            return self._done(run)
+        ref, alt = (self.timed[s.label()]["images_per_s"] for s in (self.first, self.candidate))
+        keep = alt >= SHORT_GAIN * ref
+        if not keep:
+            _use(run, self.first)
+        self.line = (f"first steps: {self.candidate.label()} ran {units.rate(alt)} images/s, {self.first.label()} "
+                     f"{units.rate(ref)} ({alt / ref:.2f}×{'' if keep else f', under the {SHORT_GAIN}× a switch takes'}"
+                     f"): training on with {run.speed.label()}")
+        return self._done(run)
+
+    def _done(self, run: "_Run") -> bool:
+        self.tried.extend(self.timed.values())
+        _record_speed(run, self.tried)
+        return True
 
 
 def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: int) -> TrainConfig:
@@ -714,7 +800,7 @@ def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: in
 
 def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
            world_size: int = 1, budget_share: float = 0.0, optimizer: str = "adamw",
-           other_cores: float | None = None) -> tuple[Speed, list[dict], list, object]:
+           other_cores: float | None = None, compare_in_run: bool = False) -> tuple[Speed, list[dict], list, object]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (data_max_batch of this process's share of `images`),
     the tune's time by budget_share of the planned training, a larger batch only where it is
@@ -731,7 +817,7 @@ def _tuned(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epo
     result = _tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"), max_batch=limit,
                    planned_images=per_process * epochs, budget_share=budget_share,
                    try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, optimizer=optimizer,
-                   other_cores=other_cores, log=progress_log)
+                   other_cores=other_cores, compare_in_run=compare_in_run, log=progress_log)
     say(result.table())
     best, front = result.best, []
     if "batch_size" not in pin:
@@ -1238,7 +1324,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         speed, tune_table, front, tuned = _tuned(net, train_pk, dev, pin, say if progress else (lambda m: None), say,
                                                  images=n_train, epochs=cfg.epochs, world_size=world.size,
                                                  budget_share=cfg.tune_share, optimizer=cfg.optimizer,
-                                                 other_cores=threads.at_start) if tune \
+                                                 other_cores=threads.at_start,
+                                                 compare_in_run=dev.type == "cpu" and world.size == 1
+                                                 and not cfg.deterministic) if tune \
             else (Speed(**pin), [], [], None)
     reason = _step.check(speed, dev)
     if reason:
@@ -1309,6 +1397,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                              every=READ_EVERY.get(dev.type, READ_EVERY["cuda"])), log_csv,
                train_pk.sequence_length is not None, (len(log_csv.rows), time.perf_counter()),
                saved=(state["step"], time.perf_counter()))
+    candidate = replace(tuned.candidate, **pin) if tuned is not None and tuned.candidate and not raced else None
+    if candidate is not None and candidate != speed and _step.check(candidate, dev) is None:
+        run.first_steps = _FirstSteps(run, candidate, tune_table)  # tune left its comparison to these steps
     stopped, epoch = "finished", state["epoch"]
     interrupts = _Interrupts(True, world, agree_every=1 if dev.type == "cpu" else READ_EVERY["cuda"])
     lost = starting_over = False  # another process of the run died; this attempt gives way to another
@@ -1329,7 +1420,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                     break
                 if check_rate and (epoch >= 1 or state["epoch"] >= cfg.epochs):  # past the first epoch's warm-up
                     check_rate = False
-                    if _check_tuned_rate(tuned, tune_table, speed, row, say) and state["epoch"] < cfg.epochs:
+                    if _check_tuned_rate(tuned, tune_table, run.speed, row, say) and state["epoch"] < cfg.epochs:
                         t = _now()
                         _retune(run, given, train_pk, pin, n_train * (cfg.epochs - state["epoch"]), cfg.tune_share,
                                 say)

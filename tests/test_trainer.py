@@ -1009,7 +1009,7 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
     first steps, not on a copy: three at the first setting, three at the candidate; it keeps
     the candidate where it ran SHORT_GAIN× faster and its loss on the same batch matched, else
     goes back. config.json and speed.json say what it trains with; every step trained."""
-    from trainfast import tuning
+    from trainfast import step, tuning
     from trainfast.train import trainer
 
     train, test = digits_packs
@@ -1049,12 +1049,21 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
         assert all(p.is_contiguous() for p in net.parameters())  # given back in its own layout
         assert r.history[-1]["val_acc"] > 0.5 and all(math.isfinite(row["train_loss"]) for row in r.history)
 
-    monkeypatch.setattr(tuning, "_loss_matches", lambda loss, ref_loss: False)  # the candidate's loss is off
+    calls = []
+
+    def off(loss, ref_loss):  # the candidate's loss is off
+        calls.append((loss, ref_loss))
+        return False
+    monkeypatch.setattr(tuning, "_loss_matches", off)
+    candidate = Speed("bf16", True, batch_size=32)  # another precision: its loss is compared before any step
+    monkeypatch.setattr(step, "supports_bf16", lambda device: True)  # emulated on AVX2-only CPUs: slow, but it runs
     said.clear(), switched.clear()
     r = fit(_bn_net(), train, test, epochs=1, device="cpu", run_dir=tmp_path / "unsound", progress=False,
             log=said.append)
-    assert r.speed == ref and switched == [candidate.label(), ref.label()]
-    assert any(m.startswith(f"first steps: {candidate.label()} left out: its loss on the same batch") for m in said)
+    assert r.speed == ref and switched == [] and len(calls) == 1
+    assert any(m.startswith(f"first steps: {candidate.label()} left out: its loss on the first batch") for m in said)
+    assert [row["note"] for row in json.loads((tmp_path / "unsound" / "speed.json").read_text())["tried"]] == [
+        "a quick timing"]
 
 
 def _bn_net():

@@ -719,28 +719,43 @@ def _record_speed(run: "_Run", tried: list[dict] | None = None) -> None:
 
 class _FirstSteps:
     """tune's quick comparison for a run too short to search, made on the run's own first
-    steps rather than on a copy of the model: after WARM steps, TIMED steps are timed at the
-    setting the run starts with; then the likeliest winner (tune's `candidate`: the fastest
-    precision the device runs, in channels_last), whose loss on the same batch from the same
-    weights must match (tuning._loss_matches, forward passes without a gradient, batch-norm
-    statistics and random streams put back), trains WARM + TIMED steps, timed the same way.
-    The run keeps it where it ran SHORT_GAIN× faster, else goes back. Every step trains: the
-    comparison costs two forward passes and the candidate's warm-up, where timing it on a
-    copy cost the copy and WARM + 1 steps that trained nothing. One process on a CPU only (a
-    GPU's timing would need synchronising; under torchrun every rank would have to switch at once)."""
+    steps rather than on a copy of the model. The candidate (tune's likeliest winner: the
+    fastest precision the device runs, in channels_last) must first give the loss the first
+    setting gives on the first batch from the initial weights (tuning._loss_matches; forward
+    passes without a gradient, batch-norm statistics and random streams put back). Then WARM
+    + TIMED steps train at the first setting and WARM + TIMED at the candidate, the last TIMED
+    of each timed, and the run keeps the candidate where it ran SHORT_GAIN× faster, else goes
+    back. Every step trains: the comparison costs two forward passes, the switches of memory
+    format and the candidate's warm-up, where timing it on a copy cost the copy and WARM + 1
+    steps that trained nothing. One process on a CPU only (a GPU's timing would need
+    synchronising; under torchrun every rank would have to switch at once)."""
 
     WARM, TIMED = 1, 2
 
     def __init__(self, run: "_Run", candidate: Speed, tried: list[dict]):
+        from trainfast.tuning import _loss_matches
+
         self.first, self.candidate, self.tried = run.speed, candidate, tried
         self.steps, self.began, self.load = 0, 0.0, None
         self.timed: dict[str, dict] = {}
         self.line = ""  # what it found, said after the epoch's progress bar
+        if candidate.precision != self.first.precision:  # the same precision in another layout computes the same
+            x, y = run.loader.batch(0, epoch=0)
+            losses = []
+            for speed in (self.first, candidate):
+                with _step.kept_state(run.net), torch.no_grad():
+                    loss = _step.forward_loss(run.trained, x, y, speed, run.dev, run.cfg.label_smoothing)[0]
+                losses.append(loss.item())
+            if not _loss_matches(losses[1], losses[0]):
+                self.line = (f"first steps: {candidate.label()} left out: its loss on the first batch, "
+                             f"{losses[1]:.4g}, is not {self.first.label()}'s {losses[0]:.4g}")
 
     def after_step(self, run: "_Run", x: torch.Tensor, y: torch.Tensor) -> bool:
         """Called after each of the run's steps with its batch; True once the comparison is over."""
-        from trainfast.tuning import SHORT_GAIN, Trial, _loss_matches
+        from trainfast.tuning import SHORT_GAIN, Trial
 
+        if self.line:  # the candidate's loss was off: no comparison
+            return self._done(run)
         self.steps += 1
         n, per = self.steps, self.WARM + self.TIMED
         if n in (self.WARM, per + self.WARM):
@@ -752,21 +767,9 @@ class _FirstSteps:
         self.load.__exit__(None, None, None)
         self.timed[run.speed.label()] = Trial(run.speed, self.TIMED * x.shape[0] / seconds, note="the run's first steps",
                                               other_cores=self.load.cores).to_dict()
-        if n == per:  # the first setting timed: the candidate's loss on this batch, then its steps
-            losses = []
-            for speed in (self.first, self.candidate):
-                if speed is self.candidate:
-                    _use(run, speed)
-                with _step.kept_state(run.net), torch.no_grad():
-                    losses.append(_step.forward_loss(run.trained, x, y, speed, run.dev, run.cfg.label_smoothing)[0]
-                                  .item())
-            self.timed[self.first.label()]["loss"] = losses[0]
-            if _loss_matches(losses[1], losses[0]):
-                return False
-            _use(run, self.first)
-            self.line = (f"first steps: {self.candidate.label()} left out: its loss on the same batch, "
-                         f"{losses[1]:.4g}, is not {self.first.label()}'s {losses[0]:.4g}")
-            return self._done(run)
+        if n == per:
+            _use(run, self.candidate)
+            return False
         ref, alt = (self.timed[s.label()]["images_per_s"] for s in (self.first, self.candidate))
         keep = alt >= SHORT_GAIN * ref
         if not keep:

@@ -1065,6 +1065,32 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
     assert [row["note"] for row in json.loads((tmp_path / "unsound" / "speed.json").read_text())["tried"]] == [
         "a quick timing"]
 
+    class NoBf16Backward(torch.autograd.Function):  # as a user's own operation may be
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if grad.dtype == torch.bfloat16:
+                raise RuntimeError("expected scalar type Float but found BFloat16")
+            return grad
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _bn_net()
+
+        def forward(self, x):
+            return self.body[-1](NoBf16Backward.apply(self.body[:-1](x)))
+    monkeypatch.setattr(tuning, "_loss_matches", lambda loss, ref_loss: True)
+    said.clear(), switched.clear()
+    r = fit(Net(), train, test, epochs=1, device="cpu", run_dir=tmp_path / "fails", progress=False, log=said.append)
+    assert r.speed == ref and switched == [candidate.label(), ref.label()] and r.stopped == "finished"
+    assert any(m.startswith(f"first steps: {candidate.label()} left out: its training step failed (RuntimeError: "
+                            "expected scalar type Float") for m in said), said
+    assert r.history[-1]["val_acc"] > 0.5
+
 
 def _bn_net():
     torch.manual_seed(0)

@@ -470,8 +470,7 @@ class _Run:
         for x, y in loader:
             waited += time.perf_counter() - ready
             with interrupts.step():
-                loss, out = _step.forward_loss(self.trained, x, y, self.speed, self.dev, cfg.label_smoothing)
-                _step.backward(loss, self.scaler)
+                loss, out = self.forward_backward(x, y)
                 _step.optimizer_step(self.opt, self.scaler, cfg.clip, self.net)
                 self.sched.step()
                 state.update(step=state["step"] + 1, position=state["position"] + 1)
@@ -494,6 +493,19 @@ class _Run:
         images = (steps - done_before) * loader.batch_size * self.world.size
         row = _epoch_row(epoch, state["partial"], self.sched, time.perf_counter() - started, images, self.world)
         return {**row, "waited": waited}  # seconds the steps waited for batches (not a metrics.csv column)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's loss and output, its gradients computed. Where the setting the first steps
+        try fails (an operation without a bf16 backward), it is left out and the batch done again."""
+        try:
+            loss, out = _step.forward_loss(self.trained, x, y, self.speed, self.dev, self.cfg.label_smoothing)
+            _step.backward(loss, self.scaler)
+        except Exception as e:  # noqa: BLE001 - only the first steps' candidate is caught; the rest is raised
+            if self.first_steps is None or not self.first_steps.trying(self):
+                raise
+            self.first_steps.failed(self, e)
+            return self.forward_backward(x, y)
+        return loss, out
 
     def end_epoch(self, epoch: int, row: dict) -> bool:
         """Validate, log, checkpoint; True when early stopping says to stop."""
@@ -743,8 +755,14 @@ class _FirstSteps:
             x, y = run.loader.batch(0, epoch=0)
             losses = []
             for speed in (self.first, candidate):
-                with _step.kept_state(run.net), torch.no_grad():
-                    loss = _step.forward_loss(run.trained, x, y, speed, run.dev, run.cfg.label_smoothing)[0]
+                try:
+                    with _step.kept_state(run.net), torch.no_grad():
+                        loss = _step.forward_loss(run.trained, x, y, speed, run.dev, run.cfg.label_smoothing)[0]
+                except Exception as e:  # noqa: BLE001 - the first setting's failure is the run's to raise
+                    if speed is self.first:
+                        raise
+                    self.line = f"first steps: {candidate.label()} left out: its forward pass failed ({type(e).__name__})"
+                    return
                 losses.append(loss.item())
             if not _loss_matches(losses[1], losses[0]):
                 self.line = (f"first steps: {candidate.label()} left out: its loss on the first batch, "
@@ -778,6 +796,18 @@ class _FirstSteps:
                      f"{units.rate(ref)} ({alt / ref:.2f}×{'' if keep else f', under the {SHORT_GAIN}× a switch takes'}"
                      f"): training on with {run.speed.label()}")
         return self._done(run)
+
+    def trying(self, run: "_Run") -> bool:
+        """The run trains at the candidate, and the comparison is not over."""
+        return run.speed == self.candidate and not self.line
+
+    def failed(self, run: "_Run", e: Exception) -> None:
+        """The candidate's step raised: back to the first setting, the step's gradients dropped."""
+        _use(run, self.first)
+        run.opt.zero_grad(set_to_none=True)
+        why = (str(e).strip().splitlines() or [""])[0][:120]
+        self.line = (f"first steps: {self.candidate.label()} left out: its training step failed "
+                     f"({type(e).__name__}{': ' + why if why else ''})")
 
     def _done(self, run: "_Run") -> bool:
         self.tried.extend(self.timed.values())

@@ -242,7 +242,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="deterministic kernels: the same seed gives the same weights on the same device (can be slower)")
     tr.add_argument("--tune-share", type=float, default=0.1,
                     help="the most of the planned training time tuning may take (default: 0.1; 0: no bound). A run "
-                         "too short for a search to fit in it gets a quick timing and one quick comparison instead")
+                         "too short for a search to fit in it gets a quick timing, and its first steps compare the "
+                         "likeliest winner with it")
     tr.add_argument("--minutes", type=float, default=0.0,
                     help="a wall-clock budget for the epochs: where the epochs so far say the rest will not fit, "
                          "the run is shortened to those that do, its learning rate annealed over them (default: none)")

@@ -1091,6 +1091,29 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
                             "expected scalar type Float") for m in said), said
     assert r.history[-1]["val_acc"] > 0.5
 
+    class NoBf16(nn.Module):  # its forward refuses bf16: left out before any step
+        def __init__(self):
+            super().__init__()
+            self.body = _bn_net()
+
+        def forward(self, x):
+            h = self.body[:-1](x)
+            if h.dtype == torch.bfloat16:
+                raise TypeError("bf16 is not supported here")
+            return self.body[-1](h)
+    said.clear(), switched.clear()
+    r = fit(NoBf16(), train, test, epochs=1, device="cpu", run_dir=tmp_path / "refuses", progress=False,
+            log=said.append)
+    assert r.speed == ref and switched == [] and any(
+        m == f"first steps: {candidate.label()} left out: its forward pass failed (TypeError: bf16 is not supported "
+        "here)" for m in said), said
+
+    said.clear()
+    r = fit(_bn_net(), train, epochs=1, batch_size=512, device="cpu", run_dir=tmp_path / "tiny", progress=False,
+            log=said.append)  # two steps: too few to time both settings
+    assert r.speed.precision == "fp32" and not r.speed.channels_last and switched == []
+    assert any(m.startswith("first steps: ") and "the run has 2 steps, too few" in m for m in said), said
+
 
 def _bn_net():
     torch.manual_seed(0)

@@ -722,9 +722,8 @@ def _record_speed(run: "_Run", tried: list[dict] | None = None) -> None:
     """config.json's setting is the run's now (a resume goes on with it); speed.json adds `tried`."""
     if not run.world.is_main:
         return
-    for name, extra in (("config.json", {}), ("speed.json", {"tried": tried} if tried is not None else None)):
-        if extra is None:
-            continue
+    changes = {"config.json": {}, **({"speed.json": {"tried": tried}} if tried is not None else {})}
+    for name, extra in changes.items():
         saved = json.loads((run.run_dir / name).read_text())
         files.write_text(run.run_dir / name, json.dumps({**saved, "speed": run.speed.to_dict(), **extra}, indent=1))
 
@@ -751,7 +750,11 @@ class _FirstSteps:
         self.steps, self.began, self.load = 0, 0.0, None
         self.timed: dict[str, dict] = {}
         self.line = ""  # what it found, said after the epoch's progress bar
-        if candidate.precision != self.first.precision:  # the same precision in another layout computes the same
+        steps = run.cfg.epochs * len(run.loader)
+        if steps < 2 * (self.WARM + self.TIMED):
+            self.line = (f"first steps: {candidate.label()} not compared: the run has {steps} steps, too few to time "
+                         "both settings")
+        elif candidate.precision != self.first.precision:  # the same precision in another layout computes the same
             x, y = run.loader.batch(0, epoch=0)
             losses = []
             for speed in (self.first, candidate):
@@ -761,7 +764,7 @@ class _FirstSteps:
                 except Exception as e:  # noqa: BLE001 - the first setting's failure is the run's to raise
                     if speed is self.first:
                         raise
-                    self.line = f"first steps: {candidate.label()} left out: its forward pass failed ({type(e).__name__})"
+                    self.line = f"first steps: {candidate.label()} left out: its forward pass failed ({_said(e)})"
                     return
                 losses.append(loss.item())
             if not _loss_matches(losses[1], losses[0]):
@@ -805,14 +808,18 @@ class _FirstSteps:
         """The candidate's step raised: back to the first setting, the step's gradients dropped."""
         _use(run, self.first)
         run.opt.zero_grad(set_to_none=True)
-        why = (str(e).strip().splitlines() or [""])[0][:120]
-        self.line = (f"first steps: {self.candidate.label()} left out: its training step failed "
-                     f"({type(e).__name__}{': ' + why if why else ''})")
+        self.line = f"first steps: {self.candidate.label()} left out: its training step failed ({_said(e)})"
 
     def _done(self, run: "_Run") -> bool:
         self.tried.extend(self.timed.values())
         _record_speed(run, self.tried)
         return True
+
+
+def _said(e: Exception) -> str:
+    """An exception in a few words: its type and its message's first line."""
+    why = (str(e).strip().splitlines() or [""])[0][:120]
+    return f"{type(e).__name__}{': ' + why if why else ''}"
 
 
 def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: int) -> TrainConfig:

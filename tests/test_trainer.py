@@ -1120,3 +1120,33 @@ def _bn_net():
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+
+
+def test_a_checkpoint_whose_moments_are_in_another_layout_resumes_the_same(digits_packs, tmp_path, monkeypatch):
+    """A checkpoint written while the run trained channels_last (the first steps' candidate, or
+    before a re-tune's switch) and resumed in the default layout: the fused AdamW update reads
+    weights and moments as flat memory, so the moments are put in their weights' layout first
+    (else the resumed run trains on wrong updates, silently)."""
+    from trainfast.train import checkpoint, trainer
+    train, test = digits_packs
+    kw = dict(config=TrainConfig(epochs=2, lr=1e-3, optimizer="adamw", deterministic=True),
+              speed=Speed("fp32", False, batch_size=64), device="cpu", progress=False, log=lambda *a: None)
+    fit(_bn_net(), train, test, run_dir=tmp_path / "whole", **kw)
+    real_end = trainer._Run.end_epoch
+
+    def stop_after_the_first(self, epoch, row):
+        real_end(self, epoch, row)
+        raise KeyboardInterrupt  # Ctrl-C: last.pt is written at the first epoch's end
+    monkeypatch.setattr(trainer._Run, "end_epoch", stop_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        fit(_bn_net(), train, test, run_dir=tmp_path / "stopped", **kw)
+    monkeypatch.setattr(trainer._Run, "end_epoch", real_end)
+    ck = torch.load(tmp_path / "stopped" / "last.pt", weights_only=True)
+    for kept in ck["optimizer"]["state"].values():  # as written by a run training channels_last
+        for k, v in kept.items():
+            if torch.is_tensor(v) and v.dim() == 4:
+                kept[k] = v.contiguous(memory_format=torch.channels_last)
+    checkpoint.save(tmp_path / "stopped" / "last.pt", ck)
+    fit(_bn_net(), train, test, run_dir=tmp_path / "stopped", resume=True, **kw)
+    a, b = _weights(tmp_path / "whole" / "last.pt"), _weights(tmp_path / "stopped" / "last.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -709,13 +709,21 @@ def _use(run: "_Run", new: Speed) -> None:
     _step.prepare(run.net, new, run.dev)  # the rewrites, the memory format
     if old.channels_last and not new.channels_last:
         run.net.to(memory_format=torch.contiguous_format)
-    for p, kept in run.opt.state.items():  # the optimizer's moments in their parameter's new memory format
-        for k, v in kept.items():
-            if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
-                kept[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
+    _moments_like_weights(run.opt)
     run.trained = _step.compile_model(run.net, run.dev) if new.compile else run.net
     run.scaler = _step.make_scaler(new, run.dev)
     run.speed = new
+
+
+def _moments_like_weights(opt: torch.optim.Optimizer) -> None:
+    """Each of the optimizer's per-parameter tensors (AdamW's moments) in its parameter's memory
+    layout. A fused update reads both as flat memory: a moment left channels_last beside a
+    contiguous weight (after a switch of memory format, or loaded from a checkpoint saved before
+    one) is silently applied to the wrong elements (measured: weights 0.16 apart after a step)."""
+    for p, kept in opt.state.items():
+        for k, v in kept.items():
+            if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
+                kept[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
 
 
 def _record_speed(run: "_Run", tried: list[dict] | None = None) -> None:
@@ -1399,6 +1407,7 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         net.load_state_dict(ck["model"])
         kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
         opt.load_state_dict(ck["optimizer"])
+        _moments_like_weights(opt)  # a checkpoint written before a switch of memory format (_use) has the old one
         for g, k in zip(opt.param_groups, kernels):  # this device's kernels, not the saving device's
             g.update(k)
         if ck["state"].get("epochs", cfg.epochs) != cfg.epochs:  # config.json edited: the schedule would break

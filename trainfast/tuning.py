@@ -655,7 +655,9 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     timing of the first setting says how long the training will take; where budget_share of
     that would not pay for the search's first two measurements (on 2 CPU cores, 5 epochs of
     1,400 small images: ~13 s of training against ~2.5 s of tuning), the run trains at that
-    setting and the table says why. Such a choice is not cached: a longer run searches.
+    setting, or at the likeliest winner where one quick comparison (here, or on the run's first
+    steps: compare_in_run) finds it SHORT_GAIN× faster, and the table says why. Such a choice
+    is not cached: a longer run searches.
 
     The load of other processes is measured before and during the search. On a CPU where they
     hold cores, the search times with the threads left free (hardware.free_threads: a thread

@@ -1110,9 +1110,9 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
 
     said.clear()
     r = fit(_bn_net(), train, epochs=1, batch_size=512, device="cpu", run_dir=tmp_path / "tiny", progress=False,
-            log=said.append)  # two steps: too few to time both settings
+            log=said.append)  # two steps an epoch: too few to time both settings
     assert r.speed.precision == "fp32" and not r.speed.channels_last and switched == []
-    assert any(m.startswith("first steps: ") and "the run has 2 steps, too few" in m for m in said), said
+    assert any(m.startswith("first steps: ") and "an epoch of 2 steps is too few" in m for m in said), said
 
 
 def _bn_net():

@@ -758,10 +758,9 @@ class _FirstSteps:
         self.steps, self.began, self.load = 0, 0.0, None
         self.timed: dict[str, dict] = {}
         self.line = ""  # what it found, said after the epoch's progress bar
-        steps = run.cfg.epochs * len(run.loader)
-        if steps < 2 * (self.WARM + self.TIMED):
-            self.line = (f"first steps: {candidate.label()} not compared: the run has {steps} steps, too few to time "
-                         "both settings")
+        if len(run.loader) < 2 * (self.WARM + self.TIMED):  # both timings within the first epoch, none across its end
+            self.line = (f"first steps: {candidate.label()} not compared: an epoch of {len(run.loader)} steps is too "
+                         "few to time both settings")
         elif candidate.precision != self.first.precision:  # the same precision in another layout computes the same
             x, y = run.loader.batch(0, epoch=0)
             losses = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -76,13 +77,30 @@ def write_whole(path: Path, write) -> None:
             f.flush()
         os.replace(tmp, path)
     except BaseException as e:
+        reason = _write_failure(e, path.parent)  # the free space while the partial file still holds it
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(e, OSError) or (isinstance(e, RuntimeError) and "write" in str(e).lower()):
-            # torch.save reports a short write as RuntimeError ("... file write failed")
-            reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        if reason:
             raise TrainfastError(f"{path}: cannot write ({reason}); nothing was replaced") from None
         raise
+
+
+def _write_failure(e: BaseException, folder: Path) -> str | None:
+    """Why writing a file into `folder` failed, in words, where `e` is a failed write: an
+    OSError, or the RuntimeError torch.save raises for one ("file write failed"; on a full disk
+    its zip writer's "[enforce fail at inline_container.cc:…] unexpected pos N vs M"). None for
+    anything else."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    text = str(e)
+    if not (isinstance(e, RuntimeError) and ("write" in text.lower() or "inline_container" in text)):
+        return None
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return (text.strip().splitlines() or ["a write fell short"])[0]
+    what = "no space left on the device" if free < 2**20 else "a write fell short"
+    return f"{what}: {free / 1e6:.1f} MB free there"
 
 
 def link_whole(src: Path, dst: Path) -> bool:

@@ -495,3 +495,21 @@ def test_tune_times_the_optimizer_the_run_uses(monkeypatch):
     from trainfast.errors import TrainfastError
     with pytest.raises(TrainfastError, match="optimizer must be one of sgd, adamw, rmsprop, not 'adam'"):
         tune(_net(), (3, 8, 8), device="cpu", optimizer="adam", log=lambda m: None)
+
+
+def test_a_setting_that_fails_with_an_empty_message_is_a_row_not_a_crash():
+    """A candidate whose step raises an exception without a message is a failed row naming its
+    type (the note used to index the message's first line and raised IndexError itself)."""
+    from trainfast.config import Speed
+
+    class Silent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3 * 8 * 8, 3)
+
+        def forward(self, x):
+            if torch.is_grad_enabled():
+                raise RuntimeError()
+            return self.fc(x.flatten(1))
+    t = tune_mod.measure_trial(Silent(), (3, 8, 8), (3,), Speed("fp32", False, batch_size=4), torch.device("cpu"))
+    assert t.images_per_s is None and t.note == "failed: RuntimeError"

@@ -8,3 +8,10 @@ traceback.
 
 class TrainfastError(Exception):
     """A user-facing error: the message names the input and the reason."""
+
+
+def in_words(e: BaseException, limit: int = 120) -> str:
+    """Another library's exception in a few words, for a one-line message: its type and the first
+    line of its message (at most `limit` characters); the type alone where the message is empty."""
+    why = (str(e).strip().splitlines() or [""])[0][:limit]
+    return f"{type(e).__name__}{': ' + why if why else ''}"

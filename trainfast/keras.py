@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from trainfast import hardware, units  # noqa: E402
 from trainfast.config import Augment  # noqa: E402
 from trainfast.data.loader import Loader  # noqa: E402
-from trainfast.errors import TrainfastError  # noqa: E402
+from trainfast.errors import TrainfastError, in_words  # noqa: E402
 
 
 class PackDataset(keras.utils.PyDataset):
@@ -427,5 +427,5 @@ def _trial(model, setting: KerasSetting, x, y, losses: dict, deadline: float, mi
     except TrainfastError:
         raise
     except Exception as e:  # noqa: BLE001 - a setting this model or backend cannot run is a result, not a crash
-        trial.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        trial.note = f"failed: {in_words(e)}"
     return trial

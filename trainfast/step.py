@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainfast.config import PRECISIONS, Speed, check_optimizer
-from trainfast.errors import TrainfastError
+from trainfast.errors import TrainfastError, in_words
 from trainfast.hardware import fast_precisions
 from trainfast.models import rewrite
 
@@ -211,10 +211,10 @@ def first_forward(model: nn.Module, x: torch.Tensor, what: str, say=None) -> tor
             with kept_state(model, devices):
                 trained = model(x)
     except Exception as e:  # noqa: BLE001 - whatever the user's forward raises, said in one line
-        why = (str(e).strip().splitlines() or [""])[0]
-        hint = "; a pack's channels are set when it is made (channels=1 or 3)" if "channels" in why else ""
+        said = in_words(e, 300)
+        hint = "; a pack's channels are set when it is made (channels=1 or 3)" if "channels" in said else ""
         raise TrainfastError(f"the model does not take {what} ({c}×{h}×{w}, as (N, {c}, {h}, {w}) tensors): "
-                             f"{type(e).__name__}{': ' + why[:300] if why else ''}{hint}") from None
+                             f"{said}{hint}") from None
     finally:
         model.train(was_training)
     describe_output(out)  # one line where evaluation gets no logits

@@ -40,7 +40,7 @@ from trainfast import hardware, units
 from trainfast import step as _step
 from trainfast.config import Speed, check_optimizer
 from trainfast.diagnose.timing import step_breakdown, synthetic_batches, throughput
-from trainfast.errors import TrainfastError
+from trainfast.errors import TrainfastError, in_words
 from trainfast.models import rewrite
 
 LOSS_TOLERANCE = 0.05  # relative to the fp32 loss on the same batch
@@ -215,7 +215,7 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
     except torch.cuda.OutOfMemoryError:
         return Trial(speed, None, note="out of memory")
     except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped, with the reason
-        return Trial(speed, None, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+        return Trial(speed, None, note=f"failed: {in_words(e, 80)}")
     finally:
         torch.set_num_threads(threads)  # a trial that pins threads leaves them as it found them
     return Trial(speed, rate, float(loss), compile_s)

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from trainfast.errors import in_words
 from trainfast.step import logits_of
 
 
@@ -138,7 +139,7 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
         with torch.no_grad():
             counts = _count(model, x, backward=False)
     except Exception as e:  # noqa: BLE001 - whatever the user's forward raises (timm's size asserts too)
-        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        why = in_words(e, 300)
         if failing and failing[-1] not in done:  # a layer began and did not end: it failed
             where = failing[-1]
             got = inputs.get(where, "?")

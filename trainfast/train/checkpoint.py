@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from trainfast import files
-from trainfast.errors import TrainfastError
+from trainfast.errors import TrainfastError, in_words
 
 FORMAT = "trainfast-checkpoint"
 VERSION = 1
@@ -85,9 +85,7 @@ def load(path: Path, model_name: str, model: torch.nn.Module) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to read is the file's fault
-        reason = (str(e).splitlines() or [""])[0]
-        raise TrainfastError(f"{path}: not a readable checkpoint ({type(e).__name__}{': ' + reason if reason else ''})"
-                             ) from None
+        raise TrainfastError(f"{path}: not a readable checkpoint ({in_words(e, 300)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise TrainfastError(f"{path}: not a trainfast checkpoint")
     damage = _damage(state)

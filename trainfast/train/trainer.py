@@ -31,7 +31,7 @@ from trainfast.config import SCHEDULES, Augment, Speed, TrainConfig, check_optim
 from trainfast.data.format import Pack, as_pack
 from trainfast.data.loader import Loader
 from trainfast.data.pack import is_arrays, pack_arrays
-from trainfast.errors import TrainfastError
+from trainfast.errors import TrainfastError, in_words
 from trainfast.train import checkpoint, distributed, lr_range
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
 from trainfast.tuning import MIN_STEPS_PER_EPOCH, data_max_batch  # noqa: F401 - fit's data bound, kept importable here
@@ -755,7 +755,7 @@ class _FirstSteps:
         from trainfast.tuning import _loss_matches
 
         self.first, self.candidate, self.tried = run.speed, candidate, tried
-        self.steps, self.began, self.load = 0, 0.0, None
+        self.began, self.load = 0.0, None
         self.timed: dict[str, dict] = {}
         self.line = ""  # what it found, said after the epoch's progress bar
         if len(run.loader) < 2 * (self.WARM + self.TIMED):  # both timings within the first epoch, none across its end
@@ -771,7 +771,7 @@ class _FirstSteps:
                 except Exception as e:  # noqa: BLE001 - the first setting's failure is the run's to raise
                     if speed is self.first:
                         raise
-                    self.line = f"first steps: {candidate.label()} left out: its forward pass failed ({_said(e)})"
+                    self.line = f"first steps: {candidate.label()} left out: its forward pass failed ({in_words(e)})"
                     return
                 losses.append(loss.item())
             if not _loss_matches(losses[1], losses[0]):
@@ -784,8 +784,7 @@ class _FirstSteps:
 
         if self.line:  # the candidate's loss was off: no comparison
             return self._done(run)
-        self.steps += 1
-        n, per = self.steps, self.WARM + self.TIMED
+        n, per = run.state["step"], self.WARM + self.TIMED  # a new run's steps: the comparison is made at its start
         if n in (self.WARM, per + self.WARM):
             self.began, self.load = time.perf_counter(), hardware.OtherLoad().__enter__()
             return False
@@ -815,18 +814,12 @@ class _FirstSteps:
         """The candidate's step raised: back to the first setting, the step's gradients dropped."""
         _use(run, self.first)
         run.opt.zero_grad(set_to_none=True)
-        self.line = f"first steps: {self.candidate.label()} left out: its training step failed ({_said(e)})"
+        self.line = f"first steps: {self.candidate.label()} left out: its training step failed ({in_words(e)})"
 
     def _done(self, run: "_Run") -> bool:
         self.tried.extend(self.timed.values())
         _record_speed(run, self.tried)
         return True
-
-
-def _said(e: Exception) -> str:
-    """An exception in a few words: its type and its message's first line."""
-    why = (str(e).strip().splitlines() or [""])[0][:120]
-    return f"{type(e).__name__}{': ' + why if why else ''}"
 
 
 def _shorten(run: "_Run", cfg: TrainConfig, more: int, epoch_s: float, epoch: int) -> TrainConfig:

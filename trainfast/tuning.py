@@ -152,7 +152,7 @@ class TuneResult:
         if untimed:
             lines.append(f"not timed, the tune's budget of {self.budget_s:.1f} s spent: " + ", ".join(untimed))
         lines.append(f"chosen: {self.best.label()}" + (" (cached; --retune to measure again)" if self.cached else
-                                                        f" ({self.seconds:.0f} s)"))
+                                                        f" ({units.rate(self.seconds)} s)"))
         if self.load_line():
             lines.append(self.load_line())
         return "\n".join(lines)
@@ -175,14 +175,17 @@ def _spread(trials: list[Trial]) -> str:
 
 
 def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5, warmup: int = 2,
-                  min_seconds: float = MIN_SECONDS, optimizer: str = "adamw") -> Trial:
+                  min_seconds: float = MIN_SECONDS, optimizer: str = "adamw",
+                  settled: Callable[[float, int], bool] | None = None) -> Trial:
     """Time training steps at `speed` on in-memory batches, after `warmup` of them: `steps`
     steps (fewer, but at least two, where those span 2 × min_seconds already), or more where
     those would span less than `min_seconds` (at most MAX_STEPS); where min_seconds is 0, a
     quick timing: `steps`, or as many as span QUICK_SPAN_S by the warm-up's time, issued
     back to back as training issues them (timing.throughput), each with an update by the
     `optimizer` the run uses (its cost per step is part of what a batch size buys). Also the
-    first batch's loss, from the model's own weights."""
+    first batch's loss, from the model's own weights. A quick timing stops after its warm-up
+    where `settled(rate, batch)` says the warm-up's rate (a first step's, which understates
+    the rate) is all its caller needs to know."""
     net = copy.deepcopy(model)
     data = synthetic_batches(shape, out_shape, speed.batch_size, device, n=2)
     compile_s, threads = 0.0, torch.get_num_threads()
@@ -208,8 +211,10 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
                                    1))
             rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=1, optimizer=opt)
         else:  # a quick timing: the warm-up steps, timed, size what follows (a first step overstates a step's time)
-            per_step = len(data[0][0]) / throughput(net, data, device=device, speed=speed, steps=max(warmup, 1),
-                                                    warmup=0, optimizer=opt)
+            warm = throughput(net, data, device=device, speed=speed, steps=max(warmup, 1), warmup=0, optimizer=opt)
+            if settled is not None and settled(warm, speed.batch_size):
+                return Trial(speed, warm, float(loss), note="a first step")
+            per_step = len(data[0][0]) / warm
             n = min(MAX_STEPS, max(steps, math.ceil(QUICK_SPAN_S / max(per_step, 1e-9))))
             rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=0, optimizer=opt)
     except torch.cuda.OutOfMemoryError:
@@ -691,11 +696,16 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
                           not_timed=c.get("not_timed", []), budget_s=c.get("budget_s"), key=key)
 
     out_shape = getattr(model, "output_shape", None) or tuple(first.shape[1:])
-    if probe is None and measure is None:
-        probe = functools.partial(measure_trial, optimizer=optimizer, steps=QUICK_STEPS, warmup=1, min_seconds=0.0)
+    own_timing = measure is None
     measure = measure or functools.partial(measure_trial, optimizer=optimizer)
     bench = _Bench(model, input_shape, out_shape, dev, measure, log, max_seconds=max_seconds,
                    planned_images=planned_images, budget_share=budget_share, forward_s=forward_s)
+    if probe is None and own_timing:
+        # Where the run compares on its own first steps, a first step slow enough to call the run too
+        # short to search settles it: the rest of the quick timing could only find it shorter still.
+        settled = (lambda rate, batch: _too_short(bench, rate, batch)[0]) if compare_in_run else None
+        probe = functools.partial(measure_trial, optimizer=optimizer, steps=QUICK_STEPS, warmup=1, min_seconds=0.0,
+                                  settled=settled)
     threads = torch.get_num_threads()
     other = (other_cores if other_cores is not None else hardware.other_cores_now()) if dev.type == "cpu" else None
     fewer = hardware.free_threads(other, threads) if dev.type == "cpu" else threads
@@ -715,10 +725,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         short = _short_run(probe, bench, search, compare_in_run) if probe and planned_images and budget_share \
             else None
         if short:
-            rows, trial, why, candidate = short
-            for r in rows:
-                log(f"  {r.speed.label():53s} {units.rate(r.images_per_s) + ' images/s' if r.images_per_s else r.note}")
-            log(f"  {why}")
+            rows, trial, why, candidate = short  # no progress lines: the result's table, said next, has them
             loads = [r.other_cores for r in rows if r.other_cores is not None]
             return TuneResult(trial.speed, rows, seconds=_clock() - bench.started, threads=fewer, key=key, short=why,
                               other_cores=max(loads) if loads else None, candidate=candidate)
@@ -762,17 +769,15 @@ def _short_run(probe, bench: _Bench, search: "_Search", in_run: bool = False
             trial = probe(bench.model, bench.input_shape, bench.out_shape, speed, bench.dev)
         trial.other_cores = load.cores
         if trial.images_per_s:
-            trial.note = "a quick timing"
+            trial.note = "a quick timing" + (": one first step, enough to say" if trial.note == "a first step" else "")
         return trial
 
     first = search.first_speed()
     ref = quick(first)
     if not ref.images_per_s:
         return None
-    plan = bench.planned_images / ref.images_per_s
-    search_s = 2 * (MIN_SECONDS + 4 * first.batch_size / ref.images_per_s)
-    share = bench.budget_share * plan
-    if share >= search_s:
+    short, plan, search_s, share = _too_short(bench, ref.images_per_s, first.batch_size)
+    if not short:
         return None
     rows, best, candidate = [ref], ref, None
     likely = next((Speed(p, True, batch_size=first.batch_size) for p in search.precisions
@@ -789,6 +794,18 @@ def _short_run(probe, bench: _Bench, search: "_Search", in_run: bool = False
     return rows, best, (f"no search: ~{plan:.0f} s of training planned, and a search takes ~{search_s:.1f} s, more "
                         f"than the {bench.budget_share:.0%} of it ({share:.1f} s) a tune may take here; {how}. "
                         "A longer run (more epochs or images) searches"), candidate
+
+
+def _too_short(bench: _Bench, rate: float, batch: int) -> tuple[bool, float, float, float]:
+    """(too short to search, the planned training's seconds, a search's, the tune's share of the
+    training) at `rate` images/s and `batch`: budget_share of the planned training would not
+    cover the search's first two measurements (each MIN_SECONDS plus four steps). A lower rate
+    makes both longer, the training more so (budget_share × planned images > 8 batches): a run
+    too short at an understated rate is too short at the true one."""
+    plan = bench.planned_images / rate
+    search_s = 2 * (MIN_SECONDS + 4 * batch / rate)
+    share = bench.budget_share * plan
+    return share < search_s, plan, search_s, share
 
 
 def forget(result: TuneResult) -> None:

@@ -387,6 +387,38 @@ def test_the_batch_search_does_not_stop_below_64_on_slow_timings_or_while_others
     assert r.best.batch_size == 512  # 16 and 32 slower, but 64 is timed; 128 and 256 slower in a burst, 512 timed
 
 
+def test_the_first_batch_is_sized_by_a_warm_forward_pass_not_by_the_first_calls(monkeypatch):
+    """A model whose first calls are slow (one-time set-up; first_forward's training-mode pass)
+    but whose forward pass is cheap once warm: tune sizes the first batch by a warm pass, so no
+    probe (a copy and three steps) runs before a short run's first step."""
+    import time as _time
+
+    class SlowAtFirst(nn.Module):
+        calls = 0
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            SlowAtFirst.calls += 1
+            if SlowAtFirst.calls <= 2 or self.training:  # first_forward's two passes; any training step
+                _time.sleep(0.2)
+            return self.conv(x).mean((2, 3))
+    seen = []
+    real = tune_mod.start_batch_for
+
+    def spy(*args):
+        seen.append(args[-1])  # forward_s
+        return real(*args)
+    monkeypatch.setattr(tune_mod, "start_batch_for", spy)
+    monkeypatch.setattr(tune_mod, "_short_run", lambda *a: None)
+    monkeypatch.setattr(tune_mod._CpuSearch, "run", lambda self: Trial(self.first_speed(), 100.0, 2.0))
+    r = tune(SlowAtFirst(), (3, 8, 8), device="cpu", max_batch=32, try_compile=False, retune=True,
+             log=lambda m: None)
+    assert seen and seen[0] < 0.1 and r.best.batch_size == 32  # 0.4 s had read a step at 32 as 4.8 s: a probe
+
+
 def test_a_slow_probe_does_not_decide_the_first_batch():
     """A model whose step costs the same at any batch (as a busy moment makes a small probe look):
     the probe at batch 4 says 0.1 s per image, the upward check finds batch 64 steps fast."""

@@ -312,6 +312,24 @@ def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, m
     return guess
 
 
+def _warm_forward_s(model: torch.nn.Module, input_shape) -> float:
+    """Twice the seconds of one more forward pass of two images in eval mode, without a gradient
+    (start_batch_for's estimate of a step, made for first_forward's two passes). Timed with a
+    real clock, not the tests' fake one: it sizes the first batch. first_forward's own time
+    held its first-call costs and a training-mode pass with its statistics put back: 15-35 ms
+    for MobileNetV3-small at 32², where this pass takes 6, so a step at 32 read as surely more
+    than START_STEP_S and a probe (a copy and three steps, 0.14 s) ran before a 5-epoch run."""
+    was_training = model.training
+    x = torch.zeros(2, *input_shape, device=next((p.device for p in model.parameters()), torch.device("cpu")))
+    try:
+        with torch.no_grad():
+            t = time.perf_counter()
+            model.eval()(x)
+            return 2 * (time.perf_counter() - t)
+    finally:
+        model.train(was_training)
+
+
 BATCH_GAIN = 1.3
 """A larger batch is taken over a smaller one only if tune measured it this much faster."""
 
@@ -683,9 +701,8 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         max_seconds = STANDALONE_S
     max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
     check_optimizer(optimizer)  # the arguments before any forward
-    t = time.perf_counter()  # a real clock, not the tests' fake one: it sizes the first batch
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
-    forward_s = time.perf_counter() - t
+    forward_s = _warm_forward_s(model, input_shape) if dev.type == "cpu" else None
     if try_rewrites and not rewrite.applies(model):
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer))

@@ -786,7 +786,9 @@ def _short_run(probe, bench: _Bench, search: "_Search", in_run: bool = False
             trial = probe(bench.model, bench.input_shape, bench.out_shape, speed, bench.dev)
         trial.other_cores = load.cores
         if trial.images_per_s:
-            trial.note = "a quick timing" + (": one first step, enough to say" if trial.note == "a first step" else "")
+            first_step = trial.note == "a first step"
+            trial.note = "a quick timing" + (": one first step, which already calls the run short" if first_step
+                                             else "")
         return trial
 
     first = search.first_speed()

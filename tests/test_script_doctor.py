@@ -424,19 +424,30 @@ def test_image_dataset_from_directory_on_tensorflow_gets_the_folder_recipe(tmp_p
         assert "image_dataset_from_directory" in recipe[0]["action"] and "Rescaling" in recipe[0]["action"]
 
 
+# The doctor's time limit is one alarm: landing in the except clause or on the loop's jump back (a
+# few bytecodes, hit once in a loaded full run), it would leave a one-level loop, which would then
+# end as asked. The outer loop swallows that too; it only runs after the inner one let something out.
 STUBBORN = '''
 import time, torch
 net = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(net.parameters(), lr=0.1)
 x, y = torch.rand(64, 4), torch.randint(0, 2, (64,))
+
+def train():
+    while True:
+        try:
+            for i in range(0, 64, 8):
+                torch.nn.functional.cross_entropy(net(x[i:i + 8]), y[i:i + 8]).backward()
+                opt.step()
+                opt.zero_grad()
+                time.sleep(0.01)
+        except:  # noqa: E722 - the user's bare except swallows the doctor's stop
+            pass
+
 while True:
     try:
-        for i in range(0, 64, 8):
-            torch.nn.functional.cross_entropy(net(x[i:i + 8]), y[i:i + 8]).backward()
-            opt.step()
-            opt.zero_grad()
-            time.sleep(0.01)
-    except:  # noqa: E722 - the user's bare except swallows the doctor's stop
+        train()
+    except:  # noqa: E722
         pass
 '''
 

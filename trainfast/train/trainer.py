@@ -475,7 +475,7 @@ class _Run:
                 self.sched.step()
                 state.update(step=state["step"] + 1, position=state["position"] + 1)
                 self.watch.add(loss, out, y, state["step"])
-                if self.first_steps is not None and self.first_steps.after_step(self, x, y):
+                if self.first_steps is not None and self.first_steps.after_step(self):
                     said, self.first_steps = self.first_steps.line, None
             bar.update(1)
             if cfg.save_every and state["step"] % cfg.save_every == 0:
@@ -778,8 +778,8 @@ class _FirstSteps:
                 self.line = (f"first steps: {candidate.label()} left out: its loss on the first batch, "
                              f"{losses[1]:.4g}, is not {self.first.label()}'s {losses[0]:.4g}")
 
-    def after_step(self, run: "_Run", x: torch.Tensor, y: torch.Tensor) -> bool:
-        """Called after each of the run's steps with its batch; True once the comparison is over."""
+    def after_step(self, run: "_Run") -> bool:
+        """Called after each of the run's steps; True once the comparison is over."""
         from trainfast.tuning import SHORT_GAIN, Trial
 
         if self.line:  # the candidate's loss was off: no comparison
@@ -792,7 +792,8 @@ class _FirstSteps:
             return False
         seconds = time.perf_counter() - self.began
         self.load.__exit__(None, None, None)
-        self.timed[run.speed.label()] = Trial(run.speed, self.TIMED * x.shape[0] / seconds, note="the run's first steps",
+        rate = self.TIMED * run.loader.batch_size / seconds
+        self.timed[run.speed.label()] = Trial(run.speed, rate, note="the run's first steps",
                                               other_cores=self.load.cores).to_dict()
         if n == per:
             _use(run, self.candidate)

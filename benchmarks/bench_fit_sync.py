@@ -28,7 +28,7 @@ from trainfast import hardware, models
 from trainfast import step as _step
 from trainfast.config import Speed, TrainConfig
 from trainfast.data.sources import from_arrays
-from trainfast.train import trainer
+from trainfast.train import run as trainer
 
 
 def plain_loop(model_name: str, pk, speed: Speed, dev, epochs: int) -> float:

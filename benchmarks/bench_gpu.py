@@ -39,7 +39,7 @@ from trainfast import step as _step
 from trainfast.config import Speed, TrainConfig
 from trainfast.data.sources import from_arrays
 from trainfast.diagnose.cost import layer_costs
-from trainfast.train.trainer import data_max_batch
+from trainfast.tuning import data_max_batch
 from trainfast.tuning import measure_trial
 
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"

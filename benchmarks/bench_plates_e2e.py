@@ -195,7 +195,7 @@ def torch_dataloader(train: Path, val: Path, epochs: int, model: str, seed: int,
 
     from trainfast import models
     from trainfast.config import TrainConfig
-    from trainfast.train.trainer import lr_factor
+    from trainfast.train.optim import lr_factor
 
     class Photos(torch.utils.data.Dataset):
         def __init__(self, root):

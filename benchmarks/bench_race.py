@@ -45,7 +45,8 @@ def main():
     from trainfast.config import Augment, TrainConfig
     from trainfast.datasets.digits import load_digits, split
     from trainfast.train import race
-    from trainfast.train.trainer import _raced, data_max_batch
+    from trainfast.train.speed import raced_batch as _raced
+    from trainfast.tuning import data_max_batch
     from trainfast.tuning import MAX_BATCH, fastest_by_batch, more_steps_unless_faster, tune
 
     dev = hardware.resolve_device(a.device)

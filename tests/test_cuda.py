@@ -1,7 +1,7 @@
 """The CUDA paths, run for real on small data (skipped without a CUDA device; `-m cuda` selects them).
 
 Beside these, every test that takes the `device` fixture runs on CUDA too: among them the Loader's
-batches, kill-and-resume after SIGKILL (`test_trainer.py`), the NaN guard that reads the device
+batches, kill-and-resume after SIGKILL (`test_fit.py`), the NaN guard that reads the device
 every few steps, the doctor's report naming the GPU, tune through the CLI and the quick demo.
 """
 

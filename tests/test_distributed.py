@@ -184,7 +184,7 @@ def test_a_signal_that_lands_while_the_ranks_agree_stops_them_at_the_next_agreem
     """The all-reduce of the stop flag waits for the other ranks, so a signal often lands inside it.
     Its result used to be stored over the flag, and the signal was lost (CI saw an orphaned run train on)."""
     import signal
-    from trainfast.train.trainer import _Interrupts
+    from trainfast.train.signals import Interrupts as _Interrupts
     interrupts = _Interrupts(False, distributed.World(rank=0, size=2))
     seen = []
 
@@ -204,7 +204,7 @@ def test_a_signal_that_lands_while_the_ranks_agree_stops_them_at_the_next_agreem
 
 def test_a_global_batch_that_does_not_split_is_one_line():
     from trainfast.config import Speed
-    from trainfast.train.trainer import _elastic
+    from trainfast.train.speed import elastic as _elastic
     world = distributed.World(rank=0, size=3)
     with pytest.raises(TrainfastError, match=r"global batch of 32, which 3 processes cannot split evenly; resume "
                                              r"with a number of processes that divides it \(1, 2, 4, 8, 16, 32\)"):

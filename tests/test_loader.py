@@ -257,3 +257,21 @@ def test_decode_choice_errors(tmp_path, image_folder, pack):
         Loader(jpg, batch_size=4, device="cpu", decode="nvjpeg")
     assert Loader(jpg, batch_size=4, device="cpu").describe().startswith("JPEG decoded by")
     assert Loader(pack, batch_size=4, device="cpu", decode="gpu").describe().startswith("raw pack")  # raw: nothing to decode
+
+
+def test_a_loader_normalises_with_another_packs_statistics(tmp_path):
+    """normalize=<training pack>: a held-out pack's images are normalised with the statistics
+    the model trained with, not with their own."""
+    import trainfast
+
+    rng = np.random.default_rng(0)
+    bright = rng.integers(100, 255, (16, 8, 8, 3), dtype=np.uint8)
+    train = trainfast.pack((rng.integers(0, 155, (16, 8, 8, 3), dtype=np.uint8), np.arange(16) % 2),
+                           tmp_path / "train", progress=False)
+    held = trainfast.pack((bright, np.arange(16) % 2), tmp_path / "held", progress=False)
+    x, _ = next(iter(Loader(held, 16, shuffle=False, device="cpu", normalize=train)))
+    u8 = torch.from_numpy(np.stack([held.image(i) for i in range(16)])).permute(0, 3, 1, 2).float() / 255
+    want = (u8 - torch.tensor(train.mean).view(1, 3, 1, 1)) / torch.tensor(train.std).view(1, 3, 1, 1)
+    assert torch.allclose(x, want, atol=1e-4)
+    own, _ = next(iter(Loader(held, 16, shuffle=False, device="cpu")))
+    assert not torch.allclose(own, want, atol=1e-2)  # its own statistics would read other inputs

@@ -53,7 +53,7 @@ def test_a_lap_measures_what_a_step_costs(digits_packs, device, monkeypatch):
     """On a clock where a step costs the same at any batch (a GPU below its fill), batch 128
     reaches a lower loss than 16 in equal time; on one where time follows images (a CPU where
     rates tie), 16 does. Same weights, same images in the same order."""
-    from trainfast.train.trainer import _optimizer
+    from trainfast.train.optim import optimizer_for as _optimizer
     train, _ = digits_packs
     dev = torch.device(device)
     probe = Loader(train, 256, shuffle=False, drop_last=False, device=dev, subset=np.arange(512))

@@ -175,7 +175,8 @@ def test_gpu_search_stays_under_the_callers_max_batch(monkeypatch):
 
 def test_fit_bounds_the_batch_by_the_data_and_takes_compile_only_where_it_pays():
     from trainfast.config import Speed
-    from trainfast.train.trainer import _pays, data_max_batch
+    from trainfast.train.speed import pays as _pays
+    from trainfast.tuning import data_max_batch
     assert (data_max_batch(1294), data_max_batch(20_000), data_max_batch(100)) == (32, 512, 8)
     fast, plain = Speed("bf16", True, compile=True, batch_size=512), Speed("bf16", True, batch_size=512)
     rows = [{"label": fast.label(), "images_per_s": 200.0, "compile_s": 10.0},

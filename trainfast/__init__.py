@@ -27,7 +27,7 @@ _EXPORTS = {
     "pack": "trainfast.data.pack",
     "doctor": "trainfast.diagnose",
     "tune": "trainfast.tuning",
-    "fit": "trainfast.train.trainer",
+    "fit": "trainfast.train.fit",
     "TrainfastError": "trainfast.errors",
     "models": "trainfast.models",
 }

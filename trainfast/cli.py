@@ -452,7 +452,7 @@ def _resumable(a) -> dict:
     (it continues as configured). And a model from a file runs only when the user names it
     on this command line: a run directory is data, and data must not run code."""
     from trainfast import models
-    from trainfast.train.trainer import read_run_config
+    from trainfast.train.rundir import read_run_config
 
     defaults = vars(_parser().parse_args(["train"]))
     saved = read_run_config(a.resume, a.device)

@@ -37,8 +37,8 @@ from trainfast.diagnose.report import REPORT_CSS, advice_html, layer_chart, step
 from trainfast.errors import TrainfastError
 from trainfast.train import fit
 from trainfast.train.distributed import World
-from trainfast.train.trainer import data_max_batch, evaluate
-from trainfast.tuning import more_steps_unless_faster, tune
+from trainfast.train.evaluate import evaluate
+from trainfast.tuning import data_max_batch, more_steps_unless_faster, tune
 
 LR, LR_BATCH = 3e-3, 64  # plate_net's AdamW learning rate, measured at batch 64 (docs/MODELS.md)
 @dataclass
@@ -200,9 +200,9 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     net = models.create("plate_net")
     net.load_state_dict(torch.load(run_dir / "best.pt", map_location="cpu", weights_only=True)["model"])
     dev = before.system["device"]
-    final = evaluate(net.to(dev), Loader(test_pk, 100, shuffle=False, device=dev), speed,
+    final = evaluate(net.to(dev), Loader(test_pk, 100, shuffle=False, device=dev, normalize=train_pk), speed,
                      torch.device(dev), World(device=torch.device(dev)))
-    errors = held_out_errors(net, test_pk, speed, torch.device(dev), out / "plates-test" / "labels.csv")
+    errors = held_out_errors(net, test_pk, train_pk, speed, torch.device(dev), out / "plates-test" / "labels.csv")
     epoch_s = statistics.median(r["seconds"] for r in result.history)  # one slow spell of a shared machine is not the rate
     users_epoch_s = cfg.train / before.times.images_per_s
     loads = [r["other_cores"] for r in result.history if r.get("other_cores") is not None]
@@ -284,7 +284,7 @@ def _speed_lines(s: dict, reader: str) -> list[str]:
         f"run it again on a quiet machine for the comparison"]
 
 
-def held_out_errors(net, test_pk: Pack, speed: Speed, dev: torch.device, labels_csv: Path) -> dict:
+def held_out_errors(net, test_pk: Pack, train_pk: Pack, speed: Speed, dev: torch.device, labels_csv: Path) -> dict:
     """Where the reader's errors are on the held-out plates (trainfast.train.metrics.sequence_errors),
     by font where the plates' labels.csv records it."""
     import csv
@@ -297,7 +297,7 @@ def held_out_errors(net, test_pk: Pack, speed: Speed, dev: torch.device, labels_
     preds = []
     net.eval()
     with torch.no_grad(), _step.autocast(speed, dev):
-        for x, _ in Loader(test_pk, 100, shuffle=False, drop_last=False, device=dev):
+        for x, _ in Loader(test_pk, 100, shuffle=False, drop_last=False, device=dev, normalize=train_pk):
             preds.append(net(x).argmax(-1).cpu())
     fonts = None
     if labels_csv.is_file():

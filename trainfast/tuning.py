@@ -398,7 +398,7 @@ def _input_of(data) -> tuple[tuple[int, int, int], int | None]:
     return shape, None
 
 
-def _loss_matches(loss: float | None, ref: float | None) -> bool:
+def loss_matches(loss: float | None, ref: float | None) -> bool:
     """A setting's first-batch loss is finite and fp32's on the same batch, within LOSS_TOLERANCE."""
     return loss is not None and ref is not None and math.isfinite(loss) and \
         abs(loss - ref) <= LOSS_TOLERANCE * max(1.0, abs(ref))
@@ -482,7 +482,7 @@ class _Bench:
         """Timed, with a finite first-batch loss within LOSS_TOLERANCE of fp32's."""
         if t.images_per_s is None or t.loss is None or not math.isfinite(t.loss):
             return False
-        ok = _loss_matches(t.loss, self.ref.loss)
+        ok = loss_matches(t.loss, self.ref.loss)
         if not ok and not t.note:
             t.note = f"rejected: first-batch loss {t.loss:.4f} vs fp32 {self.ref.loss:.4f}"
         return ok
@@ -672,7 +672,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             (fit samples them once for its threads and its tune); None: sampled here.
         compare_in_run: a short run's comparison (below) is the run's to make: the result's
             `candidate` is the likeliest winner, untimed, and fit times it on its first steps
-            (one process on a CPU: trainer._FirstSteps) instead of on a copy of the model here.
+            (one process on a CPU: train.adapt.FirstSteps) instead of on a copy of the model here.
 
     A short run gets no search: given planned_images and budget_share (fit's tune), a quick
     timing of the first setting says how long the training will take; where budget_share of
@@ -806,7 +806,7 @@ def _short_run(probe, bench: _Bench, search: "_Search", in_run: bool = False
     elif likely is not None and likely != first:
         alt = quick(likely)
         rows.append(alt)
-        if alt.images_per_s and _loss_matches(alt.loss, ref.loss) and alt.images_per_s >= SHORT_GAIN * ref.images_per_s:
+        if alt.images_per_s and loss_matches(alt.loss, ref.loss) and alt.images_per_s >= SHORT_GAIN * ref.images_per_s:
             best = alt
     how = (f"{likely.label()} is compared on the run's first steps" if candidate else
            "one quick comparison instead" if len(rows) > 1 else "a quick timing instead")

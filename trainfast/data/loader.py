@@ -126,7 +126,9 @@ class Loader:
         device: 'cpu', 'cuda', 'cuda:1', or None for cuda when available.
         dtype: float32 / bfloat16 / float16 in [0, 1] (normalised by the pack's mean and std
             when normalize=True), or torch.uint8 as stored (no conversion, no colour augment).
-        normalize: subtract the pack's per-channel mean and divide by its std.
+        normalize: subtract a per-channel mean and divide by the std: the pack's own (True),
+            another pack's (a Pack, e.g. the training pack: held-out images are scored with the
+            statistics the model trained with, as it will be used), or none (False).
         augment: an Augment config; geometric ones apply for uint8 output too.
         rank, world_size: this process's disjoint, equal share of each epoch (DDP).
         workers: gathering/decoding threads (default by what they do: see _default_workers).
@@ -150,7 +152,7 @@ class Loader:
     _COPY_AHEAD = True  # CUDA host path: copy on a side stream one batch ahead (False: in _finish)
 
     def __init__(self, pack, batch_size: int = 256, *, shuffle: bool = True, drop_last: bool | None = None,
-                 seed: int = 0, device=None, dtype: torch.dtype = torch.float32, normalize: bool = True,
+                 seed: int = 0, device=None, dtype: torch.dtype = torch.float32, normalize: bool | Pack = True,
                  augment: Augment | None = None, rank: int = 0, world_size: int = 1,
                  workers: int | None = None, prefetch: int | None = None, subset=None,
                  resident: bool | None = None, decode: str = "auto"):
@@ -176,7 +178,7 @@ class Loader:
         self.shuffle = shuffle
         self.drop_last = shuffle if drop_last is None else drop_last
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.dtype, self.normalize = dtype, normalize
+        self.dtype, self.normalize = dtype, normalize is not False
         self._float_dtype = torch.float32 if dtype == torch.uint8 else dtype
         self._gpu_decode = self._decoder(decode)
         self.workers = workers or self._default_workers()
@@ -187,8 +189,12 @@ class Loader:
         self._labels = np.array(self.pack.labels)  # small: keep in memory
         self._images = None if self.pack.images is None else np.asarray(self.pack.images)  # plain ndarray view
         h, w, c = self.pack.shape
-        mean = torch.tensor(self.pack.mean if normalize else [0.0] * c, dtype=torch.float64)
-        std = torch.tensor(self.pack.std if normalize else [1.0] * c, dtype=torch.float64)
+        stats = normalize if isinstance(normalize, Pack) else self.pack
+        if len(stats.mean) != c:
+            raise TrainfastError(f"Loader: {stats.path} has {len(stats.mean)} channels, {self.pack.path} {c}: its "
+                                 "statistics cannot normalise these images")
+        mean = torch.tensor(stats.mean if normalize is not False else [0.0] * c, dtype=torch.float64)
+        std = torch.tensor(stats.std if normalize is not False else [1.0] * c, dtype=torch.float64)
         # NOTE: the affine maps act on the NHWC batch viewed as rows of W*C values, with the
         # per-channel constants tiled W times. Broadcasting (1, C, 1, 1) over channels_last
         # memory (C = 3 innermost) was 4× slower here.

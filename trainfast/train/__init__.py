@@ -1,5 +1,6 @@
-"""Training: the trainer (`fit`), checkpoints, metrics and curves, and DDP under torchrun."""
+"""Training: `fit` (fit.py tells a run's story and names the rooms it calls), checkpoints,
+metrics and curves, and DDP under torchrun."""
 
-from trainfast.train.trainer import FitResult, fit
+from trainfast.train.fit import FitResult, fit
 
 __all__ = ["FitResult", "fit"]

@@ -21,7 +21,7 @@ from trainfast.config import Speed, TrainConfig
 from trainfast.errors import TrainfastError
 from trainfast.train import fit
 from trainfast.data.loader import Loader
-from trainfast.train.trainer import evaluate
+from trainfast.train.evaluate import evaluate
 
 def fast(device: str) -> Speed:
     """bf16 + channels_last where the device runs bf16 fast, else fp32 + channels_last."""
@@ -56,7 +56,7 @@ def test_curves_are_drawn_at_most_every_few_seconds_and_always_at_the_end(digits
                                                                           monkeypatch):
     """A draw costs 0.1-0.4 s, 5-20% of a 2 s epoch: short epochs draw once, at the end; with
     no interval every epoch draws."""
-    from trainfast.train import trainer
+    from trainfast.train import run as trainer
     drawn = []
     monkeypatch.setattr(trainer, "plot_curves", lambda rows, path, seq: drawn.append(len(rows)))
     train, test = digits_packs
@@ -137,7 +137,7 @@ class Explodes(nn.Module):
 def test_nan_guard_names_the_step_and_keeps_last_good(digits_packs, tmp_path, device, monkeypatch):
     """On CUDA the guard reads the device every 25 steps: step 26 is still named, and the
     checkpoint kept is still the last good one."""
-    monkeypatch.setattr(trainfast.train.trainer, "SAVE_EVERY_S", 0.0)  # every epoch's end saves
+    monkeypatch.setattr(trainfast.train.run, "SAVE_EVERY_S", 0.0)  # every epoch's end saves
     train, test = digits_packs
     run = tmp_path / "run"
     with pytest.raises(TrainfastError, match=r"loss became nan at epoch 2, step 4 \(global step 26\).*last.pt"):
@@ -206,7 +206,7 @@ def test_sequence_metrics(tmp_path, device):
 
 
 def test_cosine_schedule_warms_up_linearly_then_decays_to_zero():
-    from trainfast.train.trainer import lr_factor
+    from trainfast.train.optim import lr_factor
 
     cfg = TrainConfig(schedule="cosine", warmup=0.2)
     f = [lr_factor(cfg, s, 100) for s in range(100)]
@@ -218,8 +218,8 @@ def test_cosine_schedule_warms_up_linearly_then_decays_to_zero():
 
 def test_nan_guard_read_late_still_names_the_step_and_keeps_last_good(digits_packs, tmp_path, monkeypatch):
     """The guard as it runs on CUDA (the device read every few steps), here on the CPU."""
-    monkeypatch.setitem(trainfast.train.trainer.READ_EVERY, "cpu", 7)
-    monkeypatch.setattr(trainfast.train.trainer, "SAVE_EVERY_S", 0.0)  # epoch 1's end saves (step 22)
+    monkeypatch.setitem(trainfast.train.run.READ_EVERY, "cpu", 7)
+    monkeypatch.setattr(trainfast.train.run, "SAVE_EVERY_S", 0.0)  # epoch 1's end saves (step 22)
     train, test = digits_packs
     with pytest.raises(TrainfastError, match=r"loss became nan at epoch 2, step 4 \(global step 26\).*last.pt"):
         fit(Explodes(25), train, test, config=TrainConfig(epochs=3, save_every=20), speed=Speed(batch_size=64),
@@ -369,7 +369,7 @@ def test_the_api_as_users_spell_it(tmp_path):
 
 
 def test_loss_watch_names_a_stuck_and_a_diverging_run():
-    from trainfast.train.trainer import loss_watch
+    from trainfast.train.watch import loss_watch
     chance = math.log(36)
     finding = "per_position predicts each of 8 positions from a single number: a width-1 bottleneck"
     stuck = loss_watch([3.68, 3.62, chance + 0.01], 10, 36, 0.05, [finding], steps=300)
@@ -456,7 +456,7 @@ def test_the_one_cycle_rate_stays_positive_to_the_end():
     """The scheduler also steps after the last update; that step must not take the rate below zero
     (it did: -1.1e-05 logged for a run's last epoch at a peak of 1e-3)."""
     from trainfast.config import TrainConfig
-    from trainfast.train.trainer import _scheduler
+    from trainfast.train.optim import scheduler_for as _scheduler
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     sched = _scheduler(opt, TrainConfig(), 100, 1e-3)
     rates = []
@@ -470,7 +470,7 @@ def test_the_one_cycle_rate_stays_positive_to_the_end():
 def test_default_run_dir_is_one_plain_folder_per_model():
     """A model given as a file ('nets/plate.py:build') names its run folder without the slash
     that would nest folders or the colon some file systems refuse."""
-    from trainfast.train.trainer import _dir_name
+    from trainfast.train.rundir import dir_name as _dir_name
     assert _dir_name("plate_net") == "plate_net"
     assert _dir_name("nets/my models/plate.py:build") == "plate.build"
     assert _dir_name("weird name!") == "weird-name"
@@ -535,15 +535,15 @@ def test_a_time_budget_shortens_the_run_and_a_resume_keeps_the_shorter_plan(digi
     """Each epoch takes 10 s of a fake clock and the budget is 35 s: after epoch 1 only two more
     fit, so the run plans 3 of its 6 epochs, its learning rate annealed to the end; resumed after
     epoch 2, it trains epoch 3 and stops there."""
-    from trainfast.train import trainer
+    from trainfast.train import run as trainer
 
     train, _ = digits_packs
     clock = {"t": 0.0}
 
     def now():
         return clock["t"]
-    monkeypatch.setattr(trainer, "_now", now)
-    real_end = trainer._Run.end_epoch
+    monkeypatch.setattr(trainer, "clock", now)
+    real_end = trainer.Run.end_epoch
 
     def end_epoch(self, epoch, row):
         clock["t"] += 10.0
@@ -551,7 +551,7 @@ def test_a_time_budget_shortens_the_run_and_a_resume_keeps_the_shorter_plan(digi
         if epoch == 1 and not resumed:
             raise KeyboardInterrupt  # stopped after epoch 2, as a Ctrl-C would
         return done
-    monkeypatch.setattr(trainer._Run, "end_epoch", end_epoch)
+    monkeypatch.setattr(trainer.Run, "end_epoch", end_epoch)
     resumed, said = False, []
     cfg = TrainConfig(epochs=6, minutes=35 / 60, schedule="cosine")
     with pytest.raises(KeyboardInterrupt):
@@ -575,7 +575,7 @@ def test_a_spent_time_budget_stops_after_the_epoch(digits_packs, tmp_path):
 
 
 def test_an_epoch_far_slower_than_tune_timed_is_said_and_a_stale_cached_choice_dropped(monkeypatch):
-    from trainfast.train import trainer
+    from trainfast.train import adapt as trainer
     from trainfast.tuning import TuneResult
 
     speed = Speed(batch_size=64)
@@ -584,17 +584,17 @@ def test_an_epoch_far_slower_than_tune_timed_is_said_and_a_stale_cached_choice_d
     monkeypatch.setattr("trainfast.tuning.forget", dropped.append)
     cached = TuneResult(speed, cached=True)
     row = {"epoch": 1, "images_per_s": 800.0, "seconds": 1.0, "other_cores": 0.0}
-    trainer._check_tuned_rate(cached, tried, speed, row, said.append)
+    trainer.check_tuned_rate(cached, tried, speed, row, said.append)
     assert not said and not dropped  # within RATE_OFF: nothing to say
     row = {"epoch": 1, "images_per_s": 300.0, "seconds": 1.0, "other_cores": 1.5}
-    trainer._check_tuned_rate(cached, tried, speed, row, said.append)
+    trainer.check_tuned_rate(cached, tried, speed, row, said.append)
     assert "0.30× the 1,000 tune timed" in said[-1] and "other processes kept 1.5 cores busy" in said[-1]
     assert not dropped  # the load explains it: the choice stays
     slow_data = {"epoch": 1, "images_per_s": 300.0, "seconds": 10.0, "other_cores": 0.0, "waited": 6.0}
-    assert not trainer._check_tuned_rate(cached, tried, speed, slow_data, said.append)
+    assert not trainer.check_tuned_rate(cached, tried, speed, slow_data, said.append)
     assert not dropped and "its steps waited 6.0 s of 10.0 s for batches (without the waits: 750 images/s)" in said[-1]
     slow_steps = {**slow_data, "waited": 1.0}  # the steps themselves were slow
-    assert trainer._check_tuned_rate(cached, tried, speed, slow_steps, said.append)
+    assert trainer.check_tuned_rate(cached, tried, speed, slow_steps, said.append)
     assert dropped == [cached] and "looks stale" in said[-1]
 
 
@@ -847,7 +847,7 @@ def test_short_epochs_save_once_a_minute_and_best_pt_is_the_best_epoch(digits_pa
     epoch always writes: a 3-epoch run writes last.pt once. Where the best epoch is not the last,
     best.pt holds that epoch's weights, kept in memory until the save; with the throttle off,
     each epoch's end writes, as a long epoch's does."""
-    from trainfast.train import checkpoint, trainer
+    from trainfast.train import checkpoint, run as trainer
     saved, real = [], checkpoint.save
     monkeypatch.setattr(checkpoint, "save", lambda path, state: (saved.append((path.name, state["state"]["epoch"])),
                                                                   real(path, state)))
@@ -879,7 +879,7 @@ def test_forward_passes_without_a_gradient_take_a_larger_batch_within_a_bound():
     256 images and 32 MB of uint8 input, never below the training batch."""
     from types import SimpleNamespace
 
-    from trainfast.train.trainer import forward_batch
+    from trainfast.train.evaluate import forward_batch
     small, big = SimpleNamespace(shape=(32, 32, 3)), SimpleNamespace(shape=(512, 512, 3))
     assert [forward_batch(b, small) for b in (32, 24, 100, 512)] == [256, 240, 200, 512]
     assert [forward_batch(b, big) for b in (4, 5, 64)] == [40, 40, 64]
@@ -921,7 +921,7 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_at_half(digits_
     kept (the watch warns, as before). Where the attempt at half the rate dies too, once more at
     a quarter (START_OVERS), and no more; where it lives, it trains on."""
     from trainfast.config import default_lr
-    from trainfast.train import trainer
+    from trainfast.train import watch as trainer
     train, test = digits_packs
     fired = []
 
@@ -1023,7 +1023,7 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
     the candidate where it ran SHORT_GAIN× faster and its loss on the same batch matched, else
     goes back. config.json and speed.json say what it trains with; every step trained."""
     from trainfast import step, tuning
-    from trainfast.train import trainer
+    from trainfast.train import adapt as trainer
 
     train, test = digits_packs
     monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path / "cache"))
@@ -1045,8 +1045,8 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
                                  candidate=candidate)
     monkeypatch.setattr(tuning, "tune", short_tune)
     switched = []
-    real_use = trainer._use
-    monkeypatch.setattr(trainer, "_use", lambda run, new: (switched.append(new.label()), real_use(run, new)))
+    real_use = trainer.use_speed
+    monkeypatch.setattr(trainer, "use_speed", lambda run, new: (switched.append(new.label()), real_use(run, new)))
     for gain, kept in ((0.0, candidate), (1e9, ref)):
         monkeypatch.setattr(tuning, "SHORT_GAIN", gain)
         said.clear(), switched.clear()
@@ -1067,7 +1067,7 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
     def off(loss, ref_loss):  # the candidate's loss is off
         calls.append((loss, ref_loss))
         return False
-    monkeypatch.setattr(tuning, "_loss_matches", off)
+    monkeypatch.setattr(tuning, "loss_matches", off)
     candidate = Speed("bf16", True, batch_size=32)  # another precision: its loss is compared before any step
     monkeypatch.setattr(step, "supports_bf16", lambda device: True)  # emulated on AVX2-only CPUs: slow, but it runs
     said.clear(), switched.clear()
@@ -1096,7 +1096,7 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
 
         def forward(self, x):
             return self.body[-1](NoBf16Backward.apply(self.body[:-1](x)))
-    monkeypatch.setattr(tuning, "_loss_matches", lambda loss, ref_loss: True)
+    monkeypatch.setattr(tuning, "loss_matches", lambda loss, ref_loss: True)
     said.clear(), switched.clear()
     r = fit(Net(), train, test, epochs=1, device="cpu", run_dir=tmp_path / "fails", progress=False, log=said.append)
     assert r.speed == ref and switched == [candidate.label(), ref.label()] and r.stopped == "finished"
@@ -1140,20 +1140,20 @@ def test_a_checkpoint_whose_moments_are_in_another_layout_resumes_the_same(digit
     before a re-tune's switch) and resumed in the default layout: the fused AdamW update reads
     weights and moments as flat memory, so the moments are put in their weights' layout first
     (else the resumed run trains on wrong updates, silently)."""
-    from trainfast.train import checkpoint, trainer
+    from trainfast.train import checkpoint, run as trainer
     train, test = digits_packs
     kw = dict(config=TrainConfig(epochs=2, lr=1e-3, optimizer="adamw", deterministic=True),
               speed=Speed("fp32", False, batch_size=64), device="cpu", progress=False, log=lambda *a: None)
     fit(_bn_net(), train, test, run_dir=tmp_path / "whole", **kw)
-    real_end = trainer._Run.end_epoch
+    real_end = trainer.Run.end_epoch
 
     def stop_after_the_first(self, epoch, row):
         real_end(self, epoch, row)
         raise KeyboardInterrupt  # Ctrl-C: last.pt is written at the first epoch's end
-    monkeypatch.setattr(trainer._Run, "end_epoch", stop_after_the_first)
+    monkeypatch.setattr(trainer.Run, "end_epoch", stop_after_the_first)
     with pytest.raises(KeyboardInterrupt):
         fit(_bn_net(), train, test, run_dir=tmp_path / "stopped", **kw)
-    monkeypatch.setattr(trainer._Run, "end_epoch", real_end)
+    monkeypatch.setattr(trainer.Run, "end_epoch", real_end)
     ck = torch.load(tmp_path / "stopped" / "last.pt", weights_only=True)
     for kept in ck["optimizer"]["state"].values():  # as written by a run training channels_last
         for k, v in kept.items():
@@ -1163,3 +1163,46 @@ def test_a_checkpoint_whose_moments_are_in_another_layout_resumes_the_same(digit
     fit(_bn_net(), train, test, run_dir=tmp_path / "stopped", resume=True, **kw)
     a, b = _weights(tmp_path / "whole" / "last.pt"), _weights(tmp_path / "stopped" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_held_out_data_is_scored_with_the_training_statistics(digits_packs, tmp_path):
+    """A validation pack with other statistics than the training pack (here: brighter) is
+    scored as the model will be used, normalised with the training pack's mean and std; the
+    logged accuracy is that score, and config.json records the statistics."""
+    import trainfast
+    from trainfast.train.distributed import World
+
+    train, test = digits_packs
+    x = np.stack([test.image(i) for i in range(len(test))])
+    brighter = trainfast.pack((np.clip(x.astype(np.int16) + 60, 0, 255).astype(np.uint8), np.array(test.labels)),
+                              tmp_path / "brighter", progress=False)
+    assert abs(brighter.mean[0] - train.mean[0]) > 0.1
+    net = _bn_net()
+    r = fit(net, train, brighter, epochs=1, speed=Speed(batch_size=64), tune=False, device="cpu",
+            run_dir=tmp_path / "run", progress=False, log=lambda m: None)
+    dev = torch.device("cpu")
+    as_used = evaluate(net, Loader(brighter, 100, shuffle=False, device="cpu", normalize=train), Speed(), dev,
+                       World(device=dev))
+    own = evaluate(net, Loader(brighter, 100, shuffle=False, device="cpu"), Speed(), dev, World(device=dev))
+    assert r.history[-1]["val_acc"] == pytest.approx(as_used["acc"], abs=1e-6)
+    assert as_used["acc"] != pytest.approx(own["acc"], abs=1e-6)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["normalize"]
+    assert saved["mean"] == pytest.approx(list(train.mean)) and saved["std"] == pytest.approx(list(train.std))
+
+
+@pytest.mark.parametrize("schedule", ["onecycle", "cosine", "constant"])
+def test_every_short_schedule_runs_with_every_warmup(schedule):
+    """Runs of 1-10 optimizer steps with any warm-up share: every rate finite, ≥ 0 and at most
+    the peak (a 4-step onecycle run at warm-up 0.2 died with ZeroDivisionError)."""
+    from trainfast.train.optim import scheduler_for
+
+    for total in range(1, 11):
+        for warmup in (0.0, 0.05, 0.1, 0.2, 0.25, 0.3, 0.5, 0.9, 1.0):
+            opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+            sched = scheduler_for(opt, TrainConfig(schedule=schedule, warmup=warmup), total, 0.1)
+            rates = [sched.get_last_lr()[0]]
+            for _ in range(total):
+                opt.step()
+                sched.step()
+                rates.append(sched.get_last_lr()[0])
+            assert all(math.isfinite(r) and 0 <= r <= 0.1 + 1e-9 for r in rates), (total, warmup, rates)

@@ -505,3 +505,23 @@ def test_a_link_planted_as_the_build_folder_is_refused(image_folder, tmp_path):
     with pytest.raises(TrainfastError, match="trainfast builds nothing through a link"):
         trainfast.pack(image_folder, out, size=(16, 16), progress=False)
     assert not any(elsewhere.iterdir()) and not out.exists()
+
+
+def test_the_same_arrays_are_packed_once_and_the_cache_keeps_the_latest(tmp_path, monkeypatch):
+    """fit((x, y)) packs arrays into the cache: the same arrays again reuse that pack (not
+    rebuilt: its files keep their inode), other arrays get their own, and only the packs used
+    last are kept once the others have been idle."""
+    from trainfast.data import pack as pack_mod
+
+    monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path / "cache"))
+    x = np.random.default_rng(0).integers(0, 255, (40, 8, 8, 3), dtype=np.uint8)
+    y = np.arange(40) % 4
+    first, _ = pack_mod.pack_arrays(x, y)
+    inode = (first.path / "meta.json").stat().st_ino
+    again, _ = pack_mod.pack_arrays(x.copy(), y.copy())
+    assert again.path == first.path and (again.path / "meta.json").stat().st_ino == inode
+    monkeypatch.setattr(pack_mod, "ARRAYS_KEEP", 2)
+    monkeypatch.setattr(pack_mod, "ARRAYS_IDLE_S", 0.0)
+    made = [pack_mod.pack_arrays(x + k, y)[0].path for k in range(1, 4)]
+    left = sorted(p.name for p in (tmp_path / "cache" / "packs").glob("*.pack"))
+    assert left == sorted(p.name for p in made[-2:]) and first.path.name not in left

@@ -204,3 +204,27 @@ def test_a_path_listed_twice_with_two_labels_is_an_error_naming_both_rows(tmp_pa
     with pytest.raises(TrainfastError, match=r"a.png is listed twice with different labels \(labels.csv:2: 'cat', "
                                              r"labels.csv:4: 'dog'\)"):
         from_csv(tmp_path / "labels.csv")
+
+
+def test_float_images_in_minus_one_to_one_keep_their_negative_half():
+    """Images normalised to [-1, 1] (the usual form) are read as such, not clipped to [0, 1]
+    (their negative half used to become black); standardised images are refused in one line."""
+    from trainfast.data.sources import from_arrays
+
+    x = np.linspace(-1, 1, 4 * 8 * 8 * 3, dtype=np.float32).reshape(4, 8, 8, 3)
+    src = from_arrays(x, np.arange(4) % 2)
+    assert any("[-1, 1]" in n for n in src.notes)
+    assert np.allclose(src.array, (x + 1) / 2)
+    with pytest.raises(TrainfastError, match="before normalisation"):
+        from_arrays(np.full((2, 8, 8, 3), -2.5, np.float32), np.arange(2))
+
+
+@pytest.mark.parametrize("labels", [np.array([0, 1, 2, 10**12]), np.array([0.0, 1.0, 2.0, 1e12]),
+                                    np.array([0, 5000], dtype=np.uint16)])
+def test_sparse_class_ids_are_refused_not_made_into_classes(labels):
+    """A label of 10¹² would have named 10¹² classes (memory exhausted); ids far beyond the
+    distinct values are refused with how to number them."""
+    from trainfast.data.sources import from_arrays
+
+    with pytest.raises(TrainfastError, match="np.unique"):
+        from_arrays(np.zeros((len(labels), 8, 8, 3), np.uint8), labels)

@@ -246,8 +246,13 @@ def _looks_like_sequences(texts: list[str], alphabet: str) -> bool:
     return length >= 2 and fitting >= 0.8 * len(texts) and len(set(texts)) >= 0.5 * len(texts)
 
 
+SPARSE_CLASSES = 4096
+"""Integer labels name classes 0..max; beyond this (and 16× the distinct values) they are ids,
+not indices, and are refused rather than made into that many classes."""
+
+
 def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> Source:
-    """In-memory images (N, H, W[, C]) uint8 (or float in [0, 1]) and labels (N,) or (N, L).
+    """In-memory images (N, H, W[, C]) uint8 (or float in [0, 1] or [-1, 1]) and labels (N,) or (N, L).
 
     Arrays as users already hold them are taken: channels-first images (N, C, H, W) are
     viewed channels-last, and string, boolean, whole-number float or one-hot labels become
@@ -279,10 +284,17 @@ def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> S
             raise TrainfastError(f"{name}: {len(bad)} image{'s hold' if len(bad) > 1 else ' holds'} NaN or infinite "
                                  f"values (first: image {bad[0]}); fix or drop {'them' if len(bad) > 1 else 'it'} "
                                  "before packing")
-        top = float(np.max(images))
+        low, top = float(np.min(images)), float(np.max(images))
         if top > 1.0 + 1e-3:  # clipped to [0, 1], 0–255 floats would come out almost all white
             raise TrainfastError(f"{name}: float images must be in [0, 1], and these reach {top:.4g}; for 0–255 "
                                  "values pass them as uint8 (images.astype(np.uint8)) or divide by 255")
+        if low < -1.0 - 1e-3:  # standardised images: their scale is not known here
+            raise TrainfastError(f"{name}: float images must be in [0, 1] (or [-1, 1]), and these reach {low:.4g}: "
+                                 "pass them before normalisation (trainfast normalises each channel itself)")
+        if low < 0:  # the usual [-1, 1] form; clipped to [0, 1] its negative half would become black
+            images = (images.astype(np.float32) + 1) / 2
+            notes.append(f"float images from {low:.3g} to {top:.3g} read as [-1, 1] and stored as (x + 1) / 2 in "
+                         "0–255 (trainfast normalises each channel itself)")
     elif images.dtype.kind in "iu" and images.dtype != np.uint8:
         low, top = int(images.min()), int(images.max())
         if low < 0 or top > 255:
@@ -347,6 +359,12 @@ def _class_labels(labels: np.ndarray, classes, alphabet, name: str):
                              f"{len(alphabet)} ({alphabet!r})")
     if classes is not None and labels.ndim == 1 and labels.max() >= len(classes):
         raise TrainfastError(f"{name}: label {int(labels.max())} has no name among the {len(classes)} classes given")
+    if classes is None and labels.ndim == 1 and labels.size:
+        top, distinct = int(labels.max()), len(np.unique(labels))
+        if top >= max(SPARSE_CLASSES, 16 * distinct):  # class names 0..top would be made, and a head that wide
+            raise TrainfastError(f"{name}: class indices reach {top:,} with {distinct:,} distinct values, which would "
+                                 f"make {top + 1:,} classes; number them 0..{distinct - 1} first: "
+                                 "classes, y = np.unique(labels, return_inverse=True)")
     return labels, classes, None
 
 

@@ -525,3 +525,28 @@ def test_the_same_arrays_are_packed_once_and_the_cache_keeps_the_latest(tmp_path
     made = [pack_mod.pack_arrays(x + k, y)[0].path for k in range(1, 4)]
     left = sorted(p.name for p in (tmp_path / "cache" / "packs").glob("*.pack"))
     assert left == sorted(p.name for p in made[-2:]) and first.path.name not in left
+
+
+@pytest.mark.parametrize("damage", ["truncated", "cut mid-scan", "extraneous bytes", "no end marker"])
+def test_a_damaged_jpeg_at_the_packs_size_never_fails_the_pack(tmp_path, damage):
+    """A JPEG already at the pack's size and quality keeps its bytes only where the Loader's
+    strict decoder reads them; a damaged one is decoded leniently and re-encoded, or skipped with
+    its reason, and every image of the pack loads (a truncated one used to stop the whole pack
+    with 'Premature end of JPEG file')."""
+    import io
+
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    for i in range(3):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (16, 24, 3), dtype=np.uint8)).save(buf, "JPEG", quality=80)
+        data = buf.getvalue()
+        if i == 1:
+            data = {"truncated": data[: len(data) // 3], "cut mid-scan": data[:-40],
+                    "extraneous bytes": data[:-2] + b"\x00" * 70 + data[-2:], "no end marker": data[:-2]}[damage]
+        (tmp_path / "src" / "a" / f"{i}.jpg").write_bytes(data)
+    pk = trainfast.pack(tmp_path / "src", tmp_path / "p", size=(16, 24), encoding="jpeg", quality=85, progress=False)
+    assert len(pk) + len(pk.skipped) == 3 and len(pk) >= 2
+    x, _ = next(iter(trainfast.Loader(pk, len(pk), shuffle=False, device="cpu")))
+    assert x.shape == (len(pk), 3, 16, 24)

@@ -1,4 +1,5 @@
 import io
+import os
 import pickle
 import tarfile
 
@@ -228,3 +229,28 @@ def test_sparse_class_ids_are_refused_not_made_into_classes(labels):
 
     with pytest.raises(TrainfastError, match="np.unique"):
         from_arrays(np.zeros((len(labels), 8, 8, 3), np.uint8), labels)
+
+
+def test_a_link_loop_in_a_source_folder_is_skipped_not_a_traceback(tmp_path):
+    """A file that links to itself and a folder link that loops: the loop is an input that
+    cannot be read (skipped, with its reason), never a RuntimeError from resolving it."""
+    import trainfast
+
+    root = write_images(tmp_path / "src", per_class=3)
+    os.symlink("loop.jpg", root / "cat" / "loop.jpg")
+    os.symlink("..", root / "dog" / "up")
+    src = from_folder(root)
+    assert "cat/loop.jpg" in src.keys and src.classes == ["cat", "dog"]
+    pk = trainfast.pack(root, tmp_path / "p.pack", size=(16, 16), progress=False)
+    assert len(pk) == 6 and [s["input"] for s in pk.skipped] == ["cat/loop.jpg"]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any folder")
+def test_an_unreadable_class_folder_is_one_line(tmp_path):
+    root = write_images(tmp_path / "src", per_class=2)
+    (root / "dog").chmod(0)
+    try:
+        with pytest.raises(TrainfastError, match="cannot read this folder"):
+            from_folder(root)
+    finally:
+        (root / "dog").chmod(0o755)

@@ -163,6 +163,17 @@ def keeps_bytes(data: bytes, size: tuple[int, int], channels: int, quality: int)
         return False
 
 
+def kept_jpeg(data: bytes, channels: int) -> tuple[bytes | None, np.ndarray | None]:
+    """A JPEG whose bytes keeps_bytes accepted, decoded as the Loader will decode it: (its bytes,
+    its pixels), or (None, None) where that strict decoder refuses it (a truncated file, extraneous
+    bytes), so that the ordinary path decodes it leniently and re-encodes it, or skips it with the
+    reason. Kept as they were, such bytes failed the whole pack."""
+    try:
+        return data, decode_jpeg(data, channels)
+    except Exception:  # noqa: BLE001 - simplejpeg raises ValueError, Pillow OSError; either: not kept
+        return None, None
+
+
 def jpeg_decoder_name() -> str:
     return "simplejpeg" if _simplejpeg is not None else "Pillow"
 

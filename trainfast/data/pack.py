@@ -521,8 +521,8 @@ def _build_chunk(task: dict) -> dict:
             if "files" in task:
                 data = _read(task["files"][j])
                 if images is None and _decode.keeps_bytes(data, cfg.size, c, cfg.quality):
-                    raw, img = data, _decode.decode_jpeg(data, c)  # pixels as the Loader will see them
-                else:
+                    raw, img = _decode.kept_jpeg(data, c)  # pixels as the Loader will see them
+                if raw is None:
                     img = _decode.decode_file(data, cfg.size, cfg.resize, c)
             else:
                 img = _decode.decode_array(task["array"][j], cfg.size, cfg.resize, c)

@@ -96,22 +96,29 @@ def _unreadable_folder(e: OSError):
                          "it out of the source")
 
 
+def _real(path) -> Path:
+    """Where `path` leads, links followed as far as they go. NOTE: Path.resolve() raises
+    RuntimeError on a link loop (a.jpg -> a.jpg); realpath stops at the loop, and the file that
+    cannot be opened is then skipped with its reason like any unreadable input."""
+    return Path(os.path.realpath(path))
+
+
 def from_folder(root) -> Source:
     """One subfolder per class, as Keras's image_dataset_from_directory reads it.
 
     Class names are the subfolder names, sorted; images are found recursively inside them.
     """
     root = Path(root)
-    inside = root.resolve()
+    inside = _real(root)
     try:
         entries = sorted(root.iterdir())
-    except OSError as e:
+        # A pack inside the folder (an older trainfast allowed OUT there) is not a class.
+        classes = [d.name for d in entries if d.is_dir() and not d.name.startswith(".")
+                   and not ((d / "meta.json").is_file() and (d / "labels.npy").is_file())]
+    except OSError as e:  # a class folder this user may not read (is_file raises PermissionError there)
         _unreadable_folder(e)
-    # A pack inside the folder (an older trainfast allowed OUT there) is not a class.
-    classes = [d.name for d in entries if d.is_dir() and not d.name.startswith(".")
-               and not ((d / "meta.json").is_file() and (d / "labels.npy").is_file())]
     for name in classes:  # a class folder that links out of the source (loop -> ..) would pack what is not in it
-        target = (root / name).resolve()
+        target = _real(root / name)
         if (root / name).is_symlink() and (target == inside or inside not in target.parents):
             raise TrainfastError(f"{root / name}: a class folder that is a link to {target}, outside {root}; "
                                  "trainfast does not follow links out of the source (copy or move the images in)")
@@ -123,8 +130,8 @@ def from_folder(root) -> Source:
                 if fn.lower().endswith(IMAGE_EXTENSIONS) and not fn.startswith("."):
                     path = os.path.join(dirpath, fn)
                     key = os.path.relpath(path, root)
-                    if os.path.islink(path) and inside not in Path(path).resolve().parents:
-                        skipped.append((key, f"a link to {Path(path).resolve()}, outside the source: not followed"))
+                    if os.path.islink(path) and inside not in _real(path).parents:
+                        skipped.append((key, f"a link to {_real(path)}, outside the source: not followed"))
                         continue
                     keys.append(key)
                     labels.append(index)

@@ -88,7 +88,7 @@ def test_keras_tune_times_the_settings_on_a_copy_and_says_what_to_paste(digits_p
 
 def test_keras_tune_policies_follow_the_device(monkeypatch):
     from trainfast import hardware
-    from trainfast.keras import _policies
+    from trainfast.keras.settings import _policies
 
     monkeypatch.setattr(hardware, "cpu_has_bf16", lambda: False)
     assert _policies("cpu") == ["float32"]  # bf16 emulated: not worth timing

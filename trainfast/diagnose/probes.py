@@ -480,7 +480,7 @@ class _KerasWatcher(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _keras_layers(model) -> tuple[list[dict], dict]:
+def keras_layers(model) -> tuple[list[dict], dict]:
     """Per-layer parameters and forward FLOPs per image, from each layer's config and output shape."""
     rows = []
     for layer in getattr(model, "layers", []):

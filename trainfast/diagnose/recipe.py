@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import os
 import shutil
-import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,39 +220,6 @@ def sample_pack(src: Source, size: tuple[int, int], channels: int, batch_size: i
                     files=src.files[:n] if src.files else None,
                     array=src.array[:n] if src.array is not None else None)
     return pack(sample, where / "sample", size=tuple(size), channels=channels, progress=False)
-
-
-def keras_recommendation(recipe: Recipe, model, script_step_s: float, batch_size: int, data_name: str,
-                         x, y, max_seconds: float = 20.0) -> Recommendation:
-    """Feed the script's own Keras model from a pack of a sample of its files for a few steps and
-    compare the step time with the script's own (data wait included)."""
-    from trainfast.keras import PackDataset, batch_ends
-
-    tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
-    try:
-        pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
-        n = len(pk)
-        feed = PackDataset(pk, batch_size=min(batch_size, len(pk)), drop_last=True)
-        labels = np.resize(y, (feed.loader.batch_size, *y.shape[1:])) if y is not None else None
-        scale = 255.0 if float(np.max(x)) > 1.5 else 1.0  # the model sees what the script gave it
-        steps = int(min(10, max(4, max_seconds / max(script_step_s, 1e-3)))) + 2
-
-        def batch(i):
-            images, _ = feed[i % len(feed)]
-            return (images * scale if scale != 1.0 else images), labels
-
-        ends = batch_ends(model, batch, steps)
-        step = statistics.median(np.diff(ends[1:])) if len(ends) > 3 else float("nan")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    code = (f"from trainfast.keras import PackDataset\n"
-            f"data = PackDataset({recipe.out!r}, batch_size={batch_size})   # was: {data_name}")
-    return Recommendation(
-        "Pack the images once, then feed Keras from the pack",
-        f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {note}" for note in recipe.notes),
-        script_step_s / step, True,
-        f"your model fed from a pack of {n} of your files: {units.ms(step)} ms per step, against "
-        f"{units.ms(script_step_s)} ms with {data_name}; the script reads {recipe.reads}")
 
 
 def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_size: int,

@@ -39,7 +39,7 @@ from trainfast.diagnose.probes import (
     StopScript,
     _install_open_watch,
     _install_torch,
-    _keras_layers,
+    keras_layers,
     _KerasWatcher,
     _patch_keras,
     _Probe,
@@ -50,7 +50,6 @@ from trainfast.diagnose.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUN
 from trainfast.errors import TrainfastError
 
 SCHEMA_VERSION = 1
-KERAS_TUNE_S = 30.0  # the script doctor's budget for timing Keras's own settings
 OVERRUN_S = 10.0  # how long past its time limit a script that ignores the stop may run before the watchdog ends it
 
 
@@ -169,7 +168,7 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
 
     With fixes (the default) the report's fixes are measured after the script stopped: its images
     packed (a sample) and fed to its own model, and, for Keras, Keras's own speed settings timed
-    on a copy of its model (`trainfast.keras.tune`, up to KERAS_TUNE_S seconds).
+    on a copy of its model (`trainfast.keras.tune`, up to keras.doctor.KERAS_TUNE_S seconds).
 
     quiet_stdout sends what the script prints to standard output to standard error instead (the
     report goes to standard output, as JSON). on_overrun(report) is called from a watchdog thread
@@ -303,7 +302,7 @@ def _report(command, probe: _Probe, stopped: str, error: str, log=print, fixes: 
     if not probe.steps:
         r.busy_functions = probe.top("all")
     if probe.framework == "keras" and probe.keras_model is not None:
-        r.layers, r.model = _keras_layers(probe.keras_model)
+        r.layers, r.model = keras_layers(probe.keras_model)
         keras = sys.modules.get("keras")
         r.devices["model"] = [f"keras {keras.backend.backend()} backend"] if keras else []
     elif probe.model_ref is not None:
@@ -315,7 +314,9 @@ def _report(command, probe: _Probe, stopped: str, error: str, log=print, fixes: 
     if r.timed and r.data_share >= MODERATELY_INPUT_BOUND and r.data_source.get("reads") != "a trainfast pack":
         recipe, why_not = _recipe(r, probe, first, log, fixes)
     if fixes and r.timed and r.framework == "keras" and probe.keras_model is not None:
-        r.findings += _keras_settings(r, probe, first, log)
+        side = framework_side("keras")
+        r.findings += (side.settings(r, probe.keras_model, first, log) if side is not None else
+                       ["Keras's own settings were not timed: trainfast.keras is not installed here"])
     r.findings += _findings(r, recipe is not None, why_not)
     r.findings += _storage_findings(r, _files_read(probe, recipe))
     r.recommendations.sort(key=lambda rec: -rec.speedup)
@@ -352,32 +353,20 @@ def _files_read(probe: _Probe, recipe) -> list[str]:
     return read
 
 
-def _keras_settings(r: ScriptReport, probe: _Probe, first, log) -> list[str]:
-    """Keras's own speed settings timed on a copy of the script's model with its first batch
-    (`first`, from batch_images): a recommendation when one wins, else a finding that says what
-    was tried."""
-    if first is None or first[1] is None:
-        return []
-    try:
-        import trainfast.keras as tk
-        log(f"trainfast doctor: timing Keras's own settings on a copy of the model (up to {KERAS_TUNE_S:.0f} s)")
-        result = tk.tune(probe.keras_model, (first[0], first[1]), max_seconds=KERAS_TUNE_S, log=lambda m: None)
-    except (TrainfastError, ImportError) as e:
-        return [f"Keras's own settings were not timed: {e}"]
-    if result.best is result.base:
-        return [f"Keras's own settings, timed on a copy of the model: none beat {result.base.setting.label()} "
-                f"by 5% (" + "; ".join(f"{t.setting.label()}: {units.rate(t.images_per_s)} images/s"
-                                       for t in result.trials if t.images_per_s) + ")"]
-    f = result.speedup
-    data, step = r.mean("data"), r.mean("seconds")
-    r.recommendations.append(Recommendation(
-        f"Keras's own settings: {result.best.setting.label()}", result.code(),
-        step / (data + max(step - data, 0.0) / f), True,
-        f"the train step alone, on a copy of your model with your batch: ×{f:.2f} "
-        f"({units.rate(result.base.images_per_s)} → {units.rate(result.best.images_per_s)} images/s)"
-        + ("; the whole step gains that once it no longer waits for data (the pack above)"
-           if r.recommendations else "")))
-    return []
+def framework_side(framework: str):
+    """What a framework's bridge measures for the script doctor (its own speed settings, the pack
+    recipe fed to its model), or None. The Keras side lives in trainfast.keras, which imports
+    diagnose: it is found through the installed package's entry points (group
+    "trainfast.doctor_sides" in pyproject.toml), so that diagnose never imports it by name."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="trainfast.doctor_sides"):
+        if ep.name == framework:
+            try:
+                return ep.load()()
+            except ImportError:  # the framework or its bridge is not installed here
+                return None
+    return None
 
 
 def _recipe(r: ScriptReport, probe: _Probe, first, log, measure: bool = True):
@@ -399,8 +388,9 @@ def _recipe(r: ScriptReport, probe: _Probe, first, log, measure: bool = True):
     log(f"trainfast doctor: packing a sample of {found.reads} to measure the fix")
     try:
         x, y, _ = first  # a recipe was found: the first batch held images
-        if r.framework == "keras" and probe.keras_model is not None:
-            rec = rc.keras_recommendation(found, probe.keras_model, r.mean("seconds"), bs, data_name, x, y)
+        side = framework_side("keras") if r.framework == "keras" and probe.keras_model is not None else None
+        if side is not None:
+            rec = side.recommendation(found, probe.keras_model, r.mean("seconds"), bs, data_name, x, y)
         else:
             rec = rc.torch_recommendation(found, r.mean("seconds"), r.mean("data"), bs, data_name,
                                           (r.devices.get("model") or ["cpu"])[0], x)

@@ -1,0 +1,135 @@
+"""The Keras side of the doctor: SpeedDoctor (a callback that reports where a `fit`'s time
+goes), and what the script doctor asks of Keras when a user's script trains a Keras model:
+Keras's own settings timed on a copy of the model, and the pack recipe measured by feeding that
+model from a pack. The script doctor finds this side through the package's entry points
+(group "trainfast.doctor_sides"); diagnose never imports trainfast.keras.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import torch
+
+from trainfast import hardware, units
+from trainfast.diagnose.probes import keras_layers
+from trainfast.diagnose.recipe import Recipe, sample_pack
+from trainfast.diagnose.script import ScriptReport, Step
+from trainfast.diagnose.verdict import Recommendation
+from trainfast.errors import TrainfastError
+from trainfast.keras.data import PackDataset
+from trainfast.keras.settings import batch_ends, tune
+
+KERAS_TUNE_S = 30.0  # the script doctor's budget for timing Keras's own settings
+
+
+class SpeedDoctor(keras.callbacks.Callback):
+    """Print where the time of `fit` goes after `batches` training batches (default: at the end
+    of the first epoch): the wait for the next batch vs the train step, the verdict, and the
+    model's per-layer parameters and FLOPs.
+
+    The wait is the time between one batch's end and the next one's start. Keras's torch and
+    jax backends fetch the batch there; on TensorFlow the fetch runs inside the compiled step,
+    so use `trainfast doctor -- python train.py` there to separate the two.
+    """
+
+    def __init__(self, batches: int | None = None, warmup: int = 2, print_fn=print):
+        super().__init__()
+        self.batches, self.warmup, self.print_fn = batches, warmup, print_fn
+        self.report = None
+        self._steps, self._end, self._begin, self._done = [], None, None, False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if self._done or self._begin is None:
+            return
+        wait = self._begin - self._end if self._end is not None else 0.0
+        self._steps.append(Step(seconds=now - (self._end if self._end is not None else self._begin), data=wait))
+        self._end = now
+        if self.batches and len(self._steps) >= self.batches + self.warmup:
+            self._finish("after the requested batches")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not self._done and self._steps:
+            self._finish("at the end of the first epoch")
+
+    def _finish(self, when: str):
+        self._done = True
+        layers, model = keras_layers(self.model)
+        system = {"device": keras.backend.backend(), "cpu": hardware.cpu_model(),
+                  "physical_cores": hardware.physical_cores(), "usable_cores": hardware.usable_cores(),
+                  "torch_threads": torch.get_num_threads(), "cuda_available": torch.cuda.is_available(),
+                  "torch": torch.__version__}
+        self.report = ScriptReport(command=["keras", "fit"], framework="keras", stopped=when, steps=self._steps,
+                                   warmup=min(self.warmup, len(self._steps) - 1), system=system, layers=layers,
+                                   model=model, devices={"model": [f"keras {keras.backend.backend()} backend"]})
+        self.print_fn(self.report.text())
+
+
+class KerasSide:
+    """What the script doctor asks of Keras (diagnose.script.framework_side)."""
+
+    def settings(self, r: ScriptReport, model, first, log) -> list[str]:
+        """Keras's own speed settings timed on a copy of the script's model with its first batch
+        (`first`, from recipe.batch_images): a recommendation when one wins, else a finding that
+        says what was tried."""
+        if first is None or first[1] is None:
+            return []
+        try:
+            log(f"trainfast doctor: timing Keras's own settings on a copy of the model (up to {KERAS_TUNE_S:.0f} s)")
+            result = tune(model, (first[0], first[1]), max_seconds=KERAS_TUNE_S, log=lambda m: None)
+        except TrainfastError as e:
+            return [f"Keras's own settings were not timed: {e}"]
+        if result.best is result.base:
+            return [f"Keras's own settings, timed on a copy of the model: none beat {result.base.setting.label()} "
+                    f"by 5% (" + "; ".join(f"{t.setting.label()}: {units.rate(t.images_per_s)} images/s"
+                                           for t in result.trials if t.images_per_s) + ")"]
+        f = result.speedup
+        data, step = r.mean("data"), r.mean("seconds")
+        r.recommendations.append(Recommendation(
+            f"Keras's own settings: {result.best.setting.label()}", result.code(),
+            step / (data + max(step - data, 0.0) / f), True,
+            f"the train step alone, on a copy of your model with your batch: ×{f:.2f} "
+            f"({units.rate(result.base.images_per_s)} → {units.rate(result.best.images_per_s)} images/s)"
+            + ("; the whole step gains that once it no longer waits for data (the pack above)"
+               if r.recommendations else "")))
+        return []
+
+    def recommendation(self, recipe: Recipe, model, script_step_s: float, batch_size: int, data_name: str,
+                       x, y, max_seconds: float = 20.0) -> Recommendation:
+        """Feed the script's own Keras model from a pack of a sample of its files for a few steps
+        and compare the step time with the script's own (data wait included)."""
+        tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
+        try:
+            pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
+            n = len(pk)
+            feed = PackDataset(pk, batch_size=min(batch_size, len(pk)), drop_last=True)
+            labels = np.resize(y, (feed.loader.batch_size, *y.shape[1:])) if y is not None else None
+            scale = 255.0 if float(np.max(x)) > 1.5 else 1.0  # the model sees what the script gave it
+            steps = int(min(10, max(4, max_seconds / max(script_step_s, 1e-3)))) + 2
+
+            def batch(i):
+                images, _ = feed[i % len(feed)]
+                return (images * scale if scale != 1.0 else images), labels
+
+            ends = batch_ends(model, batch, steps)
+            step = statistics.median(np.diff(ends[1:])) if len(ends) > 3 else float("nan")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        code = (f"from trainfast.keras import PackDataset\n"
+                f"data = PackDataset({recipe.out!r}, batch_size={batch_size})   # was: {data_name}")
+        return Recommendation(
+            "Pack the images once, then feed Keras from the pack",
+            f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {note}" for note in recipe.notes),
+            script_step_s / step, True,
+            f"your model fed from a pack of {n} of your files: {units.ms(step)} ms per step, against "
+            f"{units.ms(script_step_s)} ms with {data_name}; the script reads {recipe.reads}")

@@ -193,10 +193,10 @@ def test_a_busy_machine_is_said_in_the_report(pack, monkeypatch):
 @pytest.mark.parametrize("helps", [True, False])
 def test_loader_advice_only_where_a_measurement_says_it_helps(pack, monkeypatch, helps):
     """'More threads' is advised only when the Loader alone measured faster with them."""
-    import trainfast.diagnose as dx
+    import trainfast.diagnose.checkup as dx
     from trainfast.diagnose.timing import StepTimes
     per_batch = {2: 0.010, 4: 0.004 if helps else 0.0098, 8: 0.004 if helps else 0.0101}
-    monkeypatch.setattr(dx, "_seconds_per_batch", lambda loader: per_batch[loader.workers])
+    monkeypatch.setattr(dx, "seconds_per_batch", lambda loader: per_batch[loader.workers])
     t = StepTimes(10, 16, data=0.008, copy=0.0, forward=0.001, backward=0.001, optimizer=0.0, other=0.0,
                   step=0.010, loss=1.0)
     recs = dx._loader_fixes(pack, t, compute_step=0.002, dev=torch.device("cpu"), log=lambda m: None)
@@ -282,9 +282,9 @@ def test_the_html_report_puts_the_advice_first_and_fits_1280_px(pack, tmp_path, 
 
 def test_the_api_doctor_takes_the_users_batch_and_arrays_and_says_when_no_fix_helps(pack, monkeypatch):
     from trainfast import Loader
-    from trainfast.diagnose import _compute_rate  # noqa: F401 - replaced below
-    monkeypatch.setattr("trainfast.diagnose._compute_rate", lambda *a, **k: 1000.0)  # every fix: no faster
-    monkeypatch.setattr("trainfast.diagnose._loader_fixes", lambda *a, **k: [])  # the data side: none either
+    from trainfast.diagnose.checkup import _compute_rate  # noqa: F401 - replaced below
+    monkeypatch.setattr("trainfast.diagnose.checkup._compute_rate", lambda *a, **k: 1000.0)  # every fix: no faster
+    monkeypatch.setattr("trainfast.diagnose.checkup._loader_fixes", lambda *a, **k: [])  # the data side: none either
     r = doctor(Tiny(), Loader(pack, batch_size=32, device="cpu"), steps=3, warmup=1, device="cpu", progress=False)
     assert r.times.batch_size == r.speed.batch_size == 32 and "batch 32" in r.text().splitlines()[1]
     assert "batch 64" not in r.text()

@@ -480,7 +480,7 @@ def test_arrays_packed_by_another_process_now_are_waited_for(tmp_path, monkeypat
     import threading
 
     from trainfast import files
-    from trainfast.data import pack as pack_mod
+    from trainfast.data import arrays as pack_mod
     from trainfast.data.sources import from_arrays
     monkeypatch.setattr(pack_mod, "cache_dir", lambda: tmp_path)
     x = np.random.default_rng(0).integers(0, 255, (20, 8, 8, 3), dtype=np.uint8)
@@ -511,7 +511,7 @@ def test_the_same_arrays_are_packed_once_and_the_cache_keeps_the_latest(tmp_path
     """fit((x, y)) packs arrays into the cache: the same arrays again reuse that pack (not
     rebuilt: its files keep their inode), other arrays get their own, and only the packs used
     last are kept once the others have been idle."""
-    from trainfast.data import pack as pack_mod
+    from trainfast.data import arrays as pack_mod
 
     monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path / "cache"))
     x = np.random.default_rng(0).integers(0, 255, (40, 8, 8, 3), dtype=np.uint8)

@@ -6,6 +6,7 @@ import torch.nn as nn
 from conftest import other_load
 from trainfast import tuning as tune_mod
 from trainfast.cli import main
+from trainfast.config import Speed
 from trainfast.models import rewrite
 from trainfast.tuning import Trial, tune
 
@@ -66,7 +67,7 @@ def test_real_measurement_and_cli(capsys, device):
                  "--device", device]) == 0
     out = capsys.readouterr().out
     assert "chosen:" in out and "fp32 + batch 16" in out
-    t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), tune_mod.Speed(batch_size=8), torch.device(device))
+    t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), Speed(batch_size=8), torch.device(device))
     assert t.images_per_s > 0 and t.loss > 0
 
 
@@ -191,7 +192,7 @@ def _one_second_trials(monkeypatch):
     """_fake's clock, where each trial also takes one second of the tune's own clock."""
     monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
     now = [0.0]
-    monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
+    monkeypatch.setattr("trainfast.tuning.budget.clock", lambda: now[0])
     fake = _fake([])
 
     def slow(*args):
@@ -242,7 +243,7 @@ def test_no_measurement_is_begun_that_would_end_past_the_budget(monkeypatch):
     end past its bound, for every bound in turn."""
     monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
     now = [0.0]
-    monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
+    monkeypatch.setattr("trainfast.tuning.budget.clock", lambda: now[0])
     fake = _fake([])
 
     def measure(model, shape, out, speed, device):
@@ -375,7 +376,7 @@ def test_a_busy_machine_is_timed_with_the_free_cores_said_and_not_cached(monkeyp
 
 
 def test_the_batch_search_does_not_stop_below_64_on_slow_timings_or_while_others_load_the_machine(monkeypatch):
-    monkeypatch.setattr(tune_mod, "start_batch_for", lambda *a: 8)
+    monkeypatch.setattr("trainfast.tuning.measure.start_batch_for", lambda *a: 8)
     rates = {8: 100.0, 16: 90.0, 32: 80.0, 64: 200.0, 128: 150.0, 256: 140.0, 512: 300.0}
     loud = {"now": False}
 
@@ -412,9 +413,9 @@ def test_the_first_batch_is_sized_by_a_warm_forward_pass_not_by_the_first_calls(
     def spy(*args):
         seen.append(args[-1])  # forward_s
         return real(*args)
-    monkeypatch.setattr(tune_mod, "start_batch_for", spy)
-    monkeypatch.setattr(tune_mod, "_short_run", lambda *a: None)
-    monkeypatch.setattr(tune_mod._CpuSearch, "run", lambda self: Trial(self.first_speed(), 100.0, 2.0))
+    monkeypatch.setattr("trainfast.tuning.measure.start_batch_for", spy)
+    monkeypatch.setattr("trainfast.tuning.budget.short_run", lambda *a: None)
+    monkeypatch.setattr(tune_mod.CpuSearch, "run", lambda self: Trial(self.first_speed(), 100.0, 2.0))
     r = tune(SlowAtFirst(), (3, 8, 8), device="cpu", max_batch=32, try_compile=False, retune=True,
              log=lambda m: None)
     assert seen and seen[0] < 0.1 and r.best.batch_size == 32  # 0.4 s had read a step at 32 as 4.8 s: a probe
@@ -442,7 +443,7 @@ def test_on_a_busy_machine_a_compile_is_expected_to_take_longer(monkeypatch):
     past its bound (a standalone tune under load used to run 71 s against its 60)."""
     monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
     now = [0.0]
-    monkeypatch.setattr(tune_mod, "_clock", lambda: now[0])
+    monkeypatch.setattr("trainfast.tuning.budget.clock", lambda: now[0])
     fake = _fake([])
 
     def measure(model, shape, out, speed, device):
@@ -465,14 +466,14 @@ def test_on_a_busy_machine_a_compile_is_expected_to_take_longer(monkeypatch):
 def test_a_first_step_slow_enough_to_call_a_run_short_ends_the_quick_timing():
     """The quick timing stops after its warm-up step where that step's rate already says the
     run is too short to search: a first step understates the rate, and at a higher rate the run
-    is shorter still (tuning._too_short). Otherwise it times on."""
+    is shorter still (tuning.too_short). Otherwise it times on."""
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
     asked = []
 
     def settled(rate, batch):
         asked.append((rate, batch))
         return True
-    speed = tune_mod.Speed(batch_size=8)
+    speed = Speed(batch_size=8)
     t = tune_mod.measure_trial(net, (3, 8, 8), (3,), speed, torch.device("cpu"), steps=1, warmup=1, min_seconds=0.0,
                                settled=settled)
     assert t.note == "a first step" and len(asked) == 1 and asked[0] == (t.images_per_s, 8) and t.loss is not None
@@ -480,10 +481,10 @@ def test_a_first_step_slow_enough_to_call_a_run_short_ends_the_quick_timing():
                                settled=lambda rate, batch: False)
     assert t.note == "" and t.images_per_s > 0  # timed on
 
-    bench = tune_mod._Bench(net, (3, 8, 8), (3,), torch.device("cpu"), None, print, max_seconds=None,
+    bench = tune_mod.Bench(net, (3, 8, 8), (3,), torch.device("cpu"), None, print, max_seconds=None,
                             planned_images=7_000, budget_share=0.1)
     rates = [50.0, 100.0, 200.0, 400.0, 800.0, 1600.0]
-    short = [tune_mod._too_short(bench, r, 32)[0] for r in rates]
+    short = [tune_mod.too_short(bench, r, 32)[0] for r in rates]
     assert short == sorted(short)  # short at one rate: short at every higher one (False... then True...)
     assert short[0] is False and short[-1] is True  # 14 s of training at 50 images/s pays; 0.4 s at 1,600 does not
 
@@ -541,7 +542,7 @@ def test_tune_times_the_optimizer_the_run_uses(monkeypatch):
     made = []
     real = step.make_optimizer
     monkeypatch.setattr(step, "make_optimizer", lambda name, *a, **k: (made.append(name), real(name, *a, **k))[1])
-    t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), tune_mod.Speed(batch_size=8), torch.device("cpu"),
+    t = tune_mod.measure_trial(_net(), (3, 8, 8), (4,), Speed(batch_size=8), torch.device("cpu"),
                                steps=2, min_seconds=0.0, optimizer="rmsprop")
     assert t.images_per_s and made == ["rmsprop"]
     r = tune(_net(), (3, 8, 8), device="cpu", batch_size=64, measure=_fake([]), try_compile=False, retune=True,

@@ -9,12 +9,10 @@ is renamed to OUT in one step. A reader never sees a half-written pack.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import json
 import os
-import re
 import shutil
 import signal
 import stat
@@ -36,7 +34,7 @@ from trainfast.data import decode as _decode
 from trainfast.data.format import ENCODINGS, SCHEMA_VERSION, Pack, is_pack, read_meta
 from trainfast.data.sources import Source, from_arrays, open_source
 from trainfast.errors import TrainfastError
-from trainfast.hardware import cache_dir, usable_cores
+from trainfast.hardware import usable_cores
 
 _JPEG_AUTO_PIXELS = 256 * 256  # auto encoding: raw up to this many pixels per image, jpeg above
 
@@ -88,68 +86,6 @@ def pack(source, out, config: PackConfig | None = None, *, overwrite: bool = Fal
 def is_arrays(data) -> bool:
     """True for (images, labels) given as a pair of arrays rather than paths."""
     return isinstance(data, (tuple, list)) and len(data) == 2 and not isinstance(data[0], (str, os.PathLike))
-
-
-ARRAYS_WAIT_S = 600.0  # how long pack_arrays waits for another process packing the same arrays
-
-
-ARRAYS_KEEP = 8  # packs of arrays kept in the cache (the most recently used); older ones go ...
-ARRAYS_IDLE_S = 3600.0  # ... once unused this long (another process may still be reading one)
-
-
-def pack_arrays(images, labels, name: str = "arrays") -> tuple[Pack, list[str]]:
-    """(images, labels) arrays as a pack in trainfast's cache, at their own size, made once and
-    reused while the arrays are the same (the folder is named by their fingerprint, and the pack
-    records it); and the notes on how they were read (channels-first, class names). The cache
-    keeps the ARRAYS_KEEP packs used last."""
-    src = from_arrays(images, labels, name=name)
-    fingerprint = src.fingerprint()
-    out = cache_dir() / "packs" / f"{fingerprint[:16]}.pack"
-    kept = _cached_arrays(out, fingerprint)
-    if kept is not None:
-        return kept, src.notes
-    deadline = time.monotonic() + ARRAYS_WAIT_S
-    while True:
-        try:
-            pk = pack(src, out, progress=False, overwrite=True)
-            break
-        except files.Busy:  # another process packs the same arrays (each torchrun rank calls fit((x, y))): wait,
-            if time.monotonic() > deadline:  # then take the pack it made
-                raise
-            time.sleep(0.2)
-            kept = _cached_arrays(out, fingerprint)
-            if kept is not None:
-                return kept, src.notes
-    _prune_arrays(out.parent)
-    return pk, src.notes
-
-
-def _cached_arrays(out: Path, fingerprint: str) -> Pack | None:
-    """The pack of these arrays made before, marked as used now; None where there is none (or it
-    is of other arrays, or unreadable: it is made again)."""
-    try:
-        pk = Pack(out)
-    except (TrainfastError, OSError, ValueError):
-        return None
-    if (pk.meta.get("build") or {}).get("fingerprint") != fingerprint:
-        return None
-    with contextlib.suppress(OSError):
-        os.utime(out / "meta.json")
-    return pk
-
-
-def _prune_arrays(folder: Path) -> None:
-    """Keep the cache of array packs to the ARRAYS_KEEP used last; an older one goes once idle
-    ARRAYS_IDLE_S. Only folders named as pack_arrays names them, holding a pack, are touched."""
-    made = []
-    for p in folder.glob("*.pack"):
-        if re.fullmatch(r"[0-9a-f]{16}\.pack", p.name) and p.is_dir() and not p.is_symlink():
-            with contextlib.suppress(OSError):
-                made.append(((p / "meta.json").stat().st_mtime, p))
-    made.sort(reverse=True)
-    for used, p in made[ARRAYS_KEEP:]:
-        if time.time() - used > ARRAYS_IDLE_S:
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def _source(source, options: dict) -> Source:

@@ -227,13 +227,13 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
     """The Loader's time per batch on a pack of a sample of the script's files, in place of the
     data wait (the data doctor's estimate of the same fix)."""
     from trainfast.data.loader import Loader
-    from trainfast.diagnose import _seconds_per_batch
+    from trainfast.diagnose.checkup import seconds_per_batch
 
     tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
     try:
         pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
         n = len(pk)
-        per_batch = _seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True))
+        per_batch = seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     new = max(step_s - data_s, 0.0) + per_batch

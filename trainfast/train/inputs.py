@@ -15,7 +15,8 @@ from trainfast import step as _step
 from trainfast.config import SCHEDULES, Augment, TrainConfig, check_optimizer
 from trainfast.data.format import Pack, as_pack
 from trainfast.data.loader import Loader
-from trainfast.data.pack import is_arrays, pack_arrays
+from trainfast.data.arrays import pack_arrays
+from trainfast.data.pack import is_arrays
 from trainfast.errors import TrainfastError
 
 

@@ -1,0 +1,169 @@
+"""The tune's budget: the measuring core every search shares (Bench: times a setting within the
+bound, records the load, judges soundness), and a short run's quick timing, which says whether
+the run is long enough to search at all."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+from trainfast import hardware, units
+from trainfast import step as _step
+from trainfast.config import Speed
+from trainfast.errors import TrainfastError
+from trainfast.tuning.measure import MIN_SECONDS, loss_matches
+from trainfast.tuning.result import Trial
+
+
+SHORT_GAIN = 1.25  # a run too short to search takes the likeliest winner only this much faster (quick timings)
+
+
+COMPILE_GUESS_S = 8.0  # a torch.compile before one is timed: 7.6 s for plate_net, 12 s for cifar_cnn on 2 cores
+
+
+clock = time.perf_counter  # the tune's own elapsed time (tests replace it)
+
+
+class Bench:
+    """The measuring core every search shares: it times a setting within the tune's budget,
+    records the load each timing ran under, and judges a timing sound against the reference's
+    loss. The searches (CpuSearch, CudaSearch) only decide what to time next."""
+
+    def __init__(self, model, input_shape, out_shape, dev, measure, log, *, max_seconds, planned_images,
+                 budget_share, forward_s: float | None = None):
+        self.model, self.input_shape, self.out_shape, self.dev = model, input_shape, out_shape, dev
+        self.measure, self.log = measure, log
+        self.max_seconds, self.planned_images, self.budget_share = max_seconds, planned_images, budget_share
+        self.rows: list[Trial] = []
+        self.not_timed: list[str] = []
+        self.took: list[tuple[float, Speed]] = []  # each measurement's seconds; the first also pays one-time set-up
+        self.plan: dict = {}  # once the reference is timed: its time, and the fastest rate timed so far
+        self.slowdown = 1.0  # how much longer than on the quiet machine a compile is expected to take
+        self.ref: Trial | None = None
+        self.forward_s = forward_s  # first_forward's time (start_batch_for)
+        self.started = clock()
+
+    def budget(self) -> float | None:
+        """The tune's bound, from its start: max_seconds, and/or after the first measurement
+        budget_share of the planned training at the fastest rate timed so far: the run the
+        tune serves trains at the rate it finds, so a faster find tightens the bound."""
+        bounds = [self.max_seconds] if self.max_seconds else []
+        if self.plan and self.planned_images and self.budget_share:
+            bounds.append(self.plan["first"] + self.budget_share * self.planned_images / self.plan["rate"])
+        return min(bounds) if bounds else None
+
+    def expected_s(self, speed: Speed) -> float:
+        """How long measuring `speed` will take: the last measurement's time (not the first's),
+        longer in proportion to a larger batch, plus a compile where none was timed yet."""
+        seconds, last = self.took[-1]
+        compiling = speed.compile and not any(s.compile for _, s in self.took)
+        return seconds * max(1.0, speed.batch_size / last.batch_size) + (COMPILE_GUESS_S * self.slowdown
+                                                                           if compiling else 0.0)
+
+    def run(self, speed: Speed) -> Trial:
+        """Time `speed` (or say why not), log it, and keep the row."""
+        if any(r.images_per_s for r in self.rows) and self.budget() is not None:  # the reference is always timed
+            left = self.budget() - (clock() - self.started)
+            # One that would end past the bound is not begun; the second always is: the likely winner.
+            if left <= 0 or (len(self.took) >= 2 and left < self.expected_s(speed)):
+                self.not_timed.append(speed.label())
+                return Trial(speed, None, note="not timed: the tune's budget is spent")
+        reason = _step.check(speed, self.dev)
+        if reason:
+            trial = Trial(speed, None, note=f"skipped: {reason}")
+        else:
+            t = clock()
+            with hardware.OtherLoad() as load:
+                trial = self.measure(self.model, self.input_shape, self.out_shape, speed, self.dev)
+            trial.other_cores = load.cores
+            self.took.append((clock() - t, speed))
+        self.rows.append(trial)
+        if self.plan and trial.images_per_s:
+            self.plan["rate"] = max(self.plan["rate"], trial.images_per_s)
+        shown = f"{units.rate(trial.images_per_s)} images/s" if trial.images_per_s else trial.note
+        busy = f"   (other processes: {trial.other_cores:.1f} cores)" if hardware.is_busy(trial.other_cores) else ""
+        self.log(f"  {speed.label():53s} {shown}{busy}")
+        return trial
+
+    def set_reference(self, ref: Trial) -> None:
+        """The first timing: fp32, plain layout; every other setting's loss is judged against its."""
+        if ref.images_per_s is None:
+            raise TrainfastError(f"the model does not train at all on {self.dev}: {ref.note}")
+        self.ref = ref
+        self.plan.update(first=clock() - self.started, rate=ref.images_per_s)
+        if self.planned_images and self.budget_share:
+            self.log(f"  (tune budget: at most {self.budget():.1f} s in all: after this first measurement "
+                     f"({self.plan['first']:.1f} s), {self.budget_share:.0%} of the planned training, "
+                     f"~{self.planned_images / ref.images_per_s:.0f} s at this rate; less as faster settings are found)")
+        elif self.max_seconds:
+            self.log(f"  (tune budget: {self.max_seconds:.1f} s)")
+
+    def sound(self, t: Trial) -> bool:
+        """Timed, with a finite first-batch loss within LOSS_TOLERANCE of fp32's."""
+        if t.images_per_s is None or t.loss is None or not math.isfinite(t.loss):
+            return False
+        ok = loss_matches(t.loss, self.ref.loss)
+        if not ok and not t.note:
+            t.note = f"rejected: first-batch loss {t.loss:.4f} vs fp32 {self.ref.loss:.4f}"
+        return ok
+
+    def better(self, t: Trial, best: Trial, margin: float = 1.03) -> bool:
+        return self.sound(t) and t.images_per_s > best.images_per_s * margin
+
+
+def short_run(probe, bench: Bench, search, in_run: bool = False
+               ) -> tuple[list[Trial], Trial, str, Speed | None] | None:
+    """(the quick timings, the faster, why no search, the setting left to the run to compare)
+    where the run fit's tune serves is too short for a search to pay: budget_share of its
+    planned training, at the rate a few steps of the search's first setting run, would not
+    cover the search's first two measurements (each MIN_SECONDS plus four steps). Such a run is
+    given one quick comparison instead: the first setting against the likeliest winner (the
+    fastest precision the device runs, in channels_last), the latter taken only where it is
+    SHORT_GAIN× faster with a sound loss; timed here on a copy, or, `in_run`, returned untimed
+    for the run to time on its own first steps. None where the run is long enough, or the
+    quick timing failed (the search then says why)."""
+    def quick(speed: Speed) -> Trial:
+        with hardware.OtherLoad() as load:
+            trial = probe(bench.model, bench.input_shape, bench.out_shape, speed, bench.dev)
+        trial.other_cores = load.cores
+        if trial.images_per_s:
+            first_step = trial.note == "a first step"
+            trial.note = "a quick timing" + (": one first step, which already calls the run short" if first_step
+                                             else "")
+        return trial
+
+    first = search.first_speed()
+    ref = quick(first)
+    if not ref.images_per_s:
+        return None
+    short, plan, search_s, share = too_short(bench, ref.images_per_s, first.batch_size)
+    if not short:
+        return None
+    rows, best, candidate = [ref], ref, None
+    likely = next((Speed(p, True, batch_size=first.batch_size) for p in search.precisions
+                   if _step.check(Speed(p, True, batch_size=first.batch_size), bench.dev) is None), None)
+    if likely is not None and likely != first and in_run:
+        candidate = likely
+    elif likely is not None and likely != first:
+        alt = quick(likely)
+        rows.append(alt)
+        if alt.images_per_s and loss_matches(alt.loss, ref.loss) and alt.images_per_s >= SHORT_GAIN * ref.images_per_s:
+            best = alt
+    how = (f"{likely.label()} is compared on the run's first steps" if candidate else
+           "one quick comparison instead" if len(rows) > 1 else "a quick timing instead")
+    return rows, best, (f"no search: ~{plan:.0f} s of training planned, and a search takes ~{search_s:.1f} s, more "
+                        f"than the {bench.budget_share:.0%} of it ({share:.1f} s) a tune may take here; {how}. "
+                        "A longer run (more epochs or images) searches"), candidate
+
+
+def too_short(bench: Bench, rate: float, batch: int) -> tuple[bool, float, float, float]:
+    """(too short to search, the planned training's seconds, a search's, the tune's share of the
+    training) at `rate` images/s and `batch`: budget_share of the planned training would not
+    cover the search's first two measurements (each MIN_SECONDS plus four steps). A lower rate
+    makes both longer, the training more so (budget_share × planned images > 8 batches): a run
+    too short at an understated rate is too short at the true one."""
+    plan = bench.planned_images / rate
+    search_s = 2 * (MIN_SECONDS + 4 * batch / rate)
+    share = bench.budget_share * plan
+    return share < search_s, plan, search_s, share

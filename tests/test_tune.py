@@ -1,9 +1,11 @@
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.nn as nn
 
 from conftest import other_load
+from trainfast import hardware
 from trainfast import tuning as tune_mod
 from trainfast.cli import main
 from trainfast.config import Speed
@@ -573,3 +575,47 @@ def test_a_setting_that_fails_with_an_empty_message_is_a_row_not_a_crash():
             return self.fc(x.flatten(1))
     t = tune_mod.measure_trial(Silent(), (3, 8, 8), (3,), Speed("fp32", False, batch_size=4), torch.device("cpu"))
     assert t.images_per_s is None and t.note == "failed: RuntimeError"
+
+
+@pytest.mark.parametrize("edit", ["batch 10^8", "fp16 on a CPU", "an unknown rewrite", "a string", "a row without speed",
+                                  "no best"])
+def test_a_cache_entry_that_does_not_validate_is_ignored_and_named(tmp_path, monkeypatch, edit):
+    """A hand-edited or stale tune.json entry is ignored (said in one line naming the file) and
+    the choice measured again; it never ends the tune."""
+    import json
+
+    monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path))
+    first = tune(_net(), (3, 8, 8), device="cpu", measure=_fake([]), retune=True, log=lambda m: None)
+    path = tmp_path / "tune.json"
+    cache = json.loads(path.read_text())
+    entry = cache[first.key]
+    if edit == "batch 10^8":
+        entry["best"]["batch_size"] = 10**8
+    elif edit == "fp16 on a CPU":
+        entry["best"]["precision"] = "fp16"
+    elif edit == "an unknown rewrite":
+        entry["best"]["rewrites"] = ["no_such_rewrite"]
+    elif edit == "a string":
+        cache[first.key] = "fast"
+    elif edit == "a row without speed":
+        del entry["rows"][0]["speed"]
+    else:
+        del entry["best"]
+    path.write_text(json.dumps(cache))
+    said = []
+    again = tune(_net(), (3, 8, 8), device="cpu", measure=_fake([]), log=said.append)
+    assert not again.cached and again.best == first.best
+    assert any("ignored the cached choice in" in m and str(path) in m for m in said), said
+
+
+@pytest.mark.parametrize("value", [0, "fast", None, -1.0, float("inf")])
+def test_a_peaks_entry_that_does_not_validate_is_measured_again(tmp_path, monkeypatch, value):
+    import json
+
+    monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path))
+    monkeypatch.setattr(hardware, "measure_peaks", lambda d: {"matmul_flops": 1e11, "copy_bytes": 1e10})
+    cpu = torch.device("cpu")
+    (tmp_path / "peaks.json").write_text(json.dumps({hardware.machine_key(cpu) + "|quiet": {
+        "matmul_flops": value, "copy_bytes": 1e10, "other_cores": 0.0}}))
+    p = hardware.peaks(cpu)
+    assert p["matmul_flops"] == 1e11 and not p["cached"]

@@ -313,9 +313,10 @@ def read_cache(name: str) -> dict:
     import json
 
     try:
-        return json.loads((cache_dir() / name).read_text())
+        data = json.loads((cache_dir() / name).read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}  # a file edited into a list or a number: as if absent
 
 
 def write_cache(name: str, data: dict) -> None:
@@ -340,18 +341,28 @@ def peaks(device, remeasure: bool = False) -> dict:
     quiet measurement already cached is kept and used instead of a busy one."""
     cache = read_cache("peaks.json")
     key = machine_key(device) + "|quiet"  # older entries recorded no load: measured again, once
-    if not remeasure and key in cache:
+    if not remeasure and _valid_peaks(cache.get(key)):
         return {**cache[key], "cached": True, "busy": False}
     with OtherLoad() as load:
         result = {**measure_peaks(device), "other_cores": None}
     result["other_cores"] = load.cores
     if load.busy and device.type == "cpu":  # a GPU's peaks do not share its cores with other programs
-        if key in cache:
+        if _valid_peaks(cache.get(key)):
             return {**cache[key], "cached": True, "busy": False}
         return {**result, "cached": False, "busy": True}
     cache[key] = result
     write_cache("peaks.json", cache)
     return {**result, "cached": False, "busy": False}
+
+
+def _valid_peaks(entry) -> bool:
+    """A cached peaks entry trainfast can divide by: positive, finite numbers (a zero or a string
+    edited in is measured again, never a ZeroDivisionError in the doctor)."""
+    import math
+
+    return isinstance(entry, dict) and all(
+        isinstance(entry.get(k), (int, float)) and not isinstance(entry.get(k), bool)
+        and math.isfinite(entry[k]) and entry[k] > 0 for k in ("matmul_flops", "copy_bytes"))
 
 
 def describe(device) -> dict:

@@ -13,7 +13,7 @@ import torch
 from trainfast import hardware
 from trainfast import step as _step
 from trainfast.config import Speed, check_optimizer
-from trainfast.errors import TrainfastError
+from trainfast.errors import TrainfastError, in_words
 from trainfast.models import rewrite
 from trainfast.tuning import budget
 from trainfast.tuning.budget import Bench
@@ -128,10 +128,10 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer))
     cache = hardware.read_cache("tune.json")
-    if not retune and key in cache and _reusable(cache[key], planned_images, budget_share, max_seconds):
-        c = cache[key]
-        return TuneResult(Speed(**c["best"]), [Trial.from_dict(r) for r in c["rows"]], cached=True,
-                          not_timed=c.get("not_timed", []), budget_s=c.get("budget_s"), key=key)
+    if not retune and key in cache:
+        kept = _cached(cache[key], key, dev, max_batch, planned_images, budget_share, max_seconds, log)
+        if kept is not None:
+            return kept
 
     out_shape = getattr(model, "output_shape", None) or tuple(first.shape[1:])
     own_timing = measure is None
@@ -196,6 +196,28 @@ def forget(result: TuneResult) -> None:
     cache = hardware.read_cache("tune.json")
     if cache.pop(result.key, None) is not None:
         hardware.write_cache("tune.json", cache)
+
+
+def _cached(entry, key: str, dev, max_batch: int, planned_images, budget_share: float, max_seconds,
+            log) -> TuneResult | None:
+    """The cached choice for `key` where it is reusable (_reusable) and valid: a setting this
+    device runs, a batch within `max_batch`, timed rows. An entry that does not validate (edited
+    by hand, or left by another version) is ignored, said in one line naming the file, and
+    measured again: a cache is never the reason a run fails."""
+    try:
+        if not _reusable(entry, planned_images, budget_share, max_seconds):
+            return None
+        best = Speed(**entry["best"])
+        reason = _step.check(best, dev) or (f"batch {best.batch_size} is over the {max_batch} allowed here"
+                                            if best.batch_size > max_batch else None)
+        if reason:
+            raise ValueError(reason)
+        rows = [Trial.from_dict(r) for r in entry["rows"]]
+        return TuneResult(best, rows, cached=True, not_timed=list(entry.get("not_timed", [])),
+                          budget_s=entry.get("budget_s"), key=key)
+    except (TypeError, ValueError, KeyError, AttributeError, TrainfastError) as e:
+        log(f"  (ignored the cached choice in {hardware.cache_dir() / 'tune.json'}: {in_words(e)}; measuring again)")
+        return None
 
 
 def _reusable(entry: dict, planned_images, budget_share: float, max_seconds) -> bool:

@@ -608,14 +608,17 @@ def test_a_cache_entry_that_does_not_validate_is_ignored_and_named(tmp_path, mon
     assert any("ignored the cached choice in" in m and str(path) in m for m in said), said
 
 
-@pytest.mark.parametrize("value", [0, "fast", None, -1.0, float("inf")])
+@pytest.mark.parametrize("value", [0, "fast", None, {"float32": 0}, {"float32": "fast"}, {"float32": -1.0},
+                                   {"float32": float("inf")}, {}])
 def test_a_peaks_entry_that_does_not_validate_is_measured_again(tmp_path, monkeypatch, value):
+    """A zero or a string edited into peaks.json is measured again, not divided by."""
     import json
 
     monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path))
-    monkeypatch.setattr(hardware, "measure_peaks", lambda d: {"matmul_flops": 1e11, "copy_bytes": 1e10})
+    fresh = {"matmul_flops": {"float32": 1e11}, "copy_bytes": 1e10}
+    monkeypatch.setattr(hardware, "measure_peaks", lambda d: dict(fresh))
     cpu = torch.device("cpu")
     (tmp_path / "peaks.json").write_text(json.dumps({hardware.machine_key(cpu) + "|quiet": {
         "matmul_flops": value, "copy_bytes": 1e10, "other_cores": 0.0}}))
     p = hardware.peaks(cpu)
-    assert p["matmul_flops"] == 1e11 and not p["cached"]
+    assert p["matmul_flops"] == {"float32": 1e11} and not p["cached"]

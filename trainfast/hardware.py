@@ -356,13 +356,18 @@ def peaks(device, remeasure: bool = False) -> dict:
 
 
 def _valid_peaks(entry) -> bool:
-    """A cached peaks entry trainfast can divide by: positive, finite numbers (a zero or a string
-    edited in is measured again, never a ZeroDivisionError in the doctor)."""
+    """A cached peaks entry trainfast can divide by: matmul FLOP/s per dtype and copy bytes/s, each
+    a positive, finite number (a zero or a string edited in is measured again, never a
+    ZeroDivisionError or AttributeError in the doctor)."""
     import math
 
-    return isinstance(entry, dict) and all(
-        isinstance(entry.get(k), (int, float)) and not isinstance(entry.get(k), bool)
-        and math.isfinite(entry[k]) and entry[k] > 0 for k in ("matmul_flops", "copy_bytes"))
+    def rate(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+    if not isinstance(entry, dict) or not rate(entry.get("copy_bytes")):
+        return False
+    flops = entry.get("matmul_flops")
+    return isinstance(flops, dict) and bool(flops) and all(isinstance(k, str) and rate(v) for k, v in flops.items())
 
 
 def describe(device) -> dict:

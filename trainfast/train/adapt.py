@@ -19,7 +19,7 @@ from trainfast.errors import in_words
 from trainfast.train.optim import tail_scheduler
 from trainfast.train.rundir import record_speed
 from trainfast.train import run as loop
-from trainfast.train.run import Run, Watcher
+from trainfast.train.run import Run, Watcher, moments_like_weights
 from trainfast.train.speed import pays, timed_rate
 
 
@@ -141,17 +141,6 @@ def use_speed(run: "Run", new: Speed) -> None:
     run.trained = _step.compile_model(run.net, run.dev) if new.compile else run.net
     run.scaler = _step.make_scaler(new, run.dev)
     run.speed = new
-
-
-def moments_like_weights(opt: torch.optim.Optimizer) -> None:
-    """Each of the optimizer's per-parameter tensors (AdamW's moments) in its parameter's memory
-    layout. A fused update reads both as flat memory: a moment left channels_last beside a
-    contiguous weight (after a switch of memory format, or loaded from a checkpoint saved before
-    one) is silently applied to the wrong elements (measured: weights 0.16 apart after a step)."""
-    for p, kept in opt.state.items():
-        for k, v in kept.items():
-            if torch.is_tensor(v) and v.shape == p.shape and v.stride() != p.stride():
-                kept[k] = torch.empty_like(p, dtype=v.dtype).copy_(v)
 
 
 class FirstSteps:

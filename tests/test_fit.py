@@ -2,6 +2,7 @@ import copy
 import csv
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -256,6 +257,33 @@ def test_interrupt_at_any_moment_resumes_to_the_same_weights(digits_packs, tmp_p
     a, b = _weights(tmp_path / "whole" / "last.pt"), _weights(tmp_path / "cut" / "last.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not any("random streams" in n for n in notes)  # same device: nothing to warn about
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to change the thread count between runs")
+def test_a_deterministic_resume_trains_with_the_checkpoint_threads_after_a_load_change(digits_packs, tmp_path):
+    """Issue 50.6: other programs' load changed torch's threads between the cut and the resume
+    (here: set to 1 by hand); a --deterministic run goes on with the count it was trained with."""
+    train, test = digits_packs
+    kw = dict(config=TrainConfig(epochs=2, optimizer="adamw", deterministic=True), device="cpu", progress=False,
+              log=lambda *a: None, speed=Speed(batch_size=64))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        fit(Signals(), train, test, run_dir=tmp_path / "whole", **kw)
+        with pytest.raises(KeyboardInterrupt):
+            fit(Signals(30, signal.SIGINT, "train"), train, test, run_dir=tmp_path / "cut", **kw)
+        torch.set_num_threads(1)
+        notes = []
+        fit(Signals(), train, test, run_dir=tmp_path / "cut", resume=True, **{**kw, "log": notes.append})
+        assert torch.get_num_threads() == 1  # fit puts the caller's count back
+    finally:
+        torch.set_num_threads(before)
+    assert any("threads 1 → 2: as the checkpoint was trained" in n for n in notes), notes
+    rows = (tmp_path / "cut" / "metrics.csv").read_text().splitlines()
+    threads = rows[0].split(",").index("threads")
+    assert [float(r.split(",")[threads]) for r in rows[1:]] == [2, 2]
+    a, b = _weights(tmp_path / "whole" / "last.pt"), _weights(tmp_path / "cut" / "last.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_on_another_device_kind_works_and_says_the_stream_differs(digits_packs, tmp_path):

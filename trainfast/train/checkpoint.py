@@ -64,14 +64,34 @@ def save(path: Path, state: dict) -> None:
 def _damage(state: dict) -> str:
     """What is missing or wrong in a checkpoint's bookkeeping (what resuming reads), or ''."""
     for key in ("model", "optimizer", "scheduler", "loader", "state", "rng"):
+        if key == "rng" and isinstance(state.get(key), torch.Tensor):  # the first release kept the CPU stream bare
+            continue
         if not isinstance(state.get(key), dict):
             return f"no {key!r}" if key not in state else f"{key!r} is {type(state[key]).__name__}"
+    if bad := _bad_streams(state["rng"]):
+        return bad
+    threads = state.get("threads", 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        return f"threads is {threads!r}, not a whole number ≥ 1"
     for part, keys in (("loader", ("epoch", "position")), ("state", ("epoch", "step", "position"))):
         for key in keys:
             default = 0 if (part, key) == ("state", "position") else None  # older checkpoints kept no state position
             value = state[part].get(key, default)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 return f"{part} {key} is {value!r}, not a whole number ≥ 0"
+    return ""
+
+
+def _bad_streams(rng) -> str:
+    """What is wrong with a checkpoint's random streams (set_rng_state would raise on it), or ''."""
+    if isinstance(rng, torch.Tensor):
+        rng = {"cpu": rng, "cuda": None}
+    cpu, cuda, size = rng.get("cpu"), rng.get("cuda"), torch.get_rng_state().numel()
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8 or cpu.numel() != size:
+        what = f"{cpu.numel()} {cpu.dtype} values" if isinstance(cpu, torch.Tensor) else type(cpu).__name__
+        return f"the CPU random stream is {what}, not {size} bytes"
+    if cuda is not None and (not isinstance(cuda, torch.Tensor) or cuda.dtype != torch.uint8):
+        return f"the CUDA random stream is {type(cuda).__name__}, not bytes"
     return ""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shlex
 import time
 from dataclasses import dataclass, replace
@@ -280,10 +281,27 @@ class Run:
         self.loader.load_state_dict(ck["loader"])
         if differs := checkpoint.set_rng_state(ck["rng"], self.dev):
             self.say(f"note: {differs}")
+        if self.cfg.deterministic and self.dev.type == "cpu":
+            self._threads_as_saved(ck.get("threads"))
         self.state = ck["state"]
         self.state.setdefault("position", self.loader.position)  # checkpoints from before it was kept in state
         self.watch = EpochSums(self.dev, self.state["partial"] if self.world.is_main else [0.0] * 4, self.watch.every)
         self.saved = (self.state["step"], time.perf_counter())
+
+    def _threads_as_saved(self, saved: int | None) -> None:
+        """A --deterministic CPU run resumes with the thread count its checkpoint was trained with:
+        another count sums a kernel's terms in another order, and the weights would drift apart
+        from an uninterrupted run's (fit puts the caller's count back at its end)."""
+        now, most = torch.get_num_threads(), os.cpu_count() or 1
+        if saved is None or saved == now:
+            return
+        if saved > most:
+            self.say(f"note: the checkpoint was trained with {saved} threads and this machine has {most}: the "
+                     "resumed run's sums differ from an uninterrupted run's in the last bits")
+            return
+        torch.set_num_threads(saved)
+        self.say(f"threads {now} → {saved}: as the checkpoint was trained (a --deterministic run resumes "
+                 "with the same sums)")
 
     def _checkpoint(self, partial: list[float]) -> dict:
         # NOTE: the loader's own position counts batches it handed out; the checkpoint records
@@ -293,7 +311,7 @@ class Run:
                 "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "loader": {"seed": self.cfg.seed, "epoch": state["epoch"], "position": state["position"]},
-                "rng": checkpoint.rng_state(self.dev), "state": state}
+                "rng": checkpoint.rng_state(self.dev), "threads": torch.get_num_threads(), "state": state}
 
 
 def moments_like_weights(opt: torch.optim.Optimizer) -> None:

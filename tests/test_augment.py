@@ -1,6 +1,8 @@
+import pytest
 import torch
 
 from trainfast.config import Augment
+from trainfast.errors import TrainfastError
 from trainfast.data.augment import geometric, photometric
 
 
@@ -49,3 +51,10 @@ def test_photometric_stays_in_range_and_cutout_zeroes_squares():
     zeros = (cut[:, 0] == 0).sum(dim=(1, 2))
     assert ((zeros > 0) & (zeros <= 16)).all()
     assert torch.equal(cut[:, 0] == 0, cut[:, 2] == 0)  # all channels of a pixel
+
+
+@pytest.mark.parametrize("field,value", [("crop_pad", -1), ("translate", 1.5), ("cutout", "4"), ("brightness", -0.1),
+                                         ("contrast", 2), ("flip", "yes"), ("crop_pad", True)])
+def test_an_augmentation_out_of_range_is_refused_naming_it(field, value):
+    with pytest.raises(TrainfastError, match=f"augment {field} must be .*not {value!r}"):
+        Augment(**{field: value})

@@ -772,6 +772,11 @@ def test_odd_fit_arguments_are_one_line_each(digits_packs, tmp_path):
     for kwargs, says in ((dict(config=TrainConfig(seed=None)), "seed must be a whole number ≥ 0, not None"),
                          (dict(augment={"flop": 1}), "augment: flop is not an augmentation trainfast has"),
                          (dict(augment=[1]), "augment must be a trainfast.Augment"),
+                         (dict(augment={"crop_pad": -1}), "augment crop_pad must be a whole number of pixels ≥ 0"),
+                         (dict(pin={"bogus": 1}), "pin: bogus is not a speed setting (precision, channels_last"),
+                         (dict(pin=["fp32"]), "pin must be a dict of speed settings"),
+                         (dict(pin={"precision": "fp64"}), "precision must be one of"),
+                         (dict(batch_size=0), "batch_size must be a whole number ≥ 1, not 0"),
                          (dict(run_dir=tmp_path / "afile"), "afile: a file, not a run directory")):
         with pytest.raises(TrainfastError, match=re.escape(says)):
             fit("cifar_cnn", train, **quiet, **kwargs)

@@ -88,7 +88,7 @@ def test_info_says_what_meta_and_skipped_json_do_not_record(good, tmp_path, caps
     assert "source: not recorded" in out and "skipped not known" in out
 
 
-def test_garbled_jpeg_bytes_are_one_line_naming_the_image(good, tmp_path):
+def test_garbled_jpeg_bytes_are_one_line_naming_the_image(good, tmp_path, capsys):
     """Bytes changed after the build pass the pack's checks (offsets still agree); the Loader
     names the image it cannot decode instead of raising the decoder's own error."""
     p = tmp_path / "p"
@@ -99,6 +99,13 @@ def test_garbled_jpeg_bytes_are_one_line_naming_the_image(good, tmp_path):
     loader = trainfast.Loader(p, batch_size=8, shuffle=False, device="cpu")
     with pytest.raises(TrainfastError, match=r"image 5 in jpeg.npy cannot be decoded .* the pack is damaged"):
         list(loader)
+    p = tmp_path / "p2"  # another copy: the Loader above still maps the first one's bytes
+    shutil.copytree(good[1].path, p)
+    jpeg[off[0] + 2: off[1] - 2] = 7  # the first image, which train's check of the model reads (issue 50.10)
+    np.save(p / "jpeg.npy", jpeg)
+    assert main(["train", str(p), "--model", "cifar_cnn", "--epochs", "1", "--no-tune", "--device", "cpu",
+                 "--run-dir", str(tmp_path / "run"), "-q"]) == 1
+    assert "p2: image 0 in jpeg.npy cannot be decoded" in capsys.readouterr().err
 
 
 def test_nan_images_are_refused_before_packing(tmp_path):

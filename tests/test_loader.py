@@ -128,6 +128,25 @@ def test_bad_arguments(pack, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(TrainfastError, match="cuda"):
             Loader(pack, batch_size=4, device="cuda")
+    n = len(pack)
+    for subset, says in (([0, 99999], f"index 99999, outside the pack's {n:,} images"), ([-1, 0], "index -1"),
+                         ([[0, 1]], "list of whole-number"), ([0.5], "list of whole-number"),
+                         ("ab", "list of whole-number")):
+        with pytest.raises(TrainfastError, match=f"subset .*{says}"):
+            Loader(pack, batch_size=1, subset=subset, device="cpu")
+    for arg in ("seed", "batch_size"):
+        with pytest.raises(TrainfastError, match=f"{arg} must be a whole number ≥ ., not None"):
+            Loader(pack, **{"batch_size": 4, arg: None}, device="cpu")
+    with pytest.raises(TrainfastError, match="augment: bogus is not an augmentation"):
+        Loader(pack, batch_size=4, augment={"bogus": 1}, device="cpu")
+    with pytest.raises(TrainfastError, match="augment must be a trainfast.Augment"):
+        Loader(pack, batch_size=4, augment="flip", device="cpu")
+
+
+def test_augment_as_a_dict_is_the_same_augment(pack):
+    a = next(iter(Loader(pack, batch_size=8, seed=1, augment={"crop_pad": 2, "flip": True}, device="cpu")))[0]
+    b = next(iter(Loader(pack, batch_size=8, seed=1, augment=Augment(crop_pad=2, flip=True), device="cpu")))[0]
+    assert torch.equal(a, b)
 
 
 def test_colour_path_normalises_like_the_plain_path(pack, device):

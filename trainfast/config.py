@@ -61,6 +61,19 @@ class Augment:
     cutout: int = 0
     """Zero one random square of this side per image."""
 
+    def __post_init__(self):
+        for name in ("crop_pad", "translate", "cutout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TrainfastError(f"augment {name} must be a whole number of pixels ≥ 0, not {value!r}")
+        for name in ("brightness", "contrast"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise TrainfastError(f"augment {name} must be a number from 0 to 1 (the largest change, as a share), "
+                                     f"not {value!r}")
+        if not isinstance(self.flip, bool):
+            raise TrainfastError(f"augment flip must be True or False, not {self.flip!r}")
+
     @property
     def active(self) -> bool:
         return any(getattr(self, f.name) for f in fields(self))
@@ -68,6 +81,35 @@ class Augment:
     @property
     def geometric(self) -> bool:
         return bool(self.crop_pad or self.translate or self.flip)
+
+
+def as_augment(augment) -> Augment | None:
+    """An Augment, or a dict of its fields (as a notebook user writes it), as an Augment."""
+    if augment is None or isinstance(augment, Augment):
+        return augment
+    if isinstance(augment, dict):
+        known = [f.name for f in fields(Augment)]
+        unknown = sorted(str(k) for k in set(augment) - set(known))
+        if unknown:
+            raise TrainfastError(f"augment: {', '.join(unknown)} is not an augmentation trainfast has "
+                                 f"({', '.join(known)})")
+        return Augment(**augment)
+    raise TrainfastError(f"augment must be a trainfast.Augment (or a dict of its fields), not {type(augment).__name__}")
+
+
+def check_pin(pin) -> dict:
+    """fit's `pin`: a dict of Speed's fields, each checked as Speed checks it."""
+    if pin is None:
+        return {}
+    if not isinstance(pin, dict):
+        raise TrainfastError(f"pin must be a dict of speed settings (such as {{'batch_size': 64}}), not "
+                             f"{type(pin).__name__}")
+    known = [f.name for f in fields(Speed)]
+    unknown = sorted(str(k) for k in set(pin) - set(known))
+    if unknown:
+        raise TrainfastError(f"pin: {', '.join(unknown)} is not a speed setting ({', '.join(known)})")
+    Speed(**pin)  # each value checked
+    return dict(pin)
 
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")

@@ -189,7 +189,11 @@ class Pack:
             return np.asarray(self.images[i])
         from trainfast.data.decode import decode_jpeg
 
-        return decode_jpeg(memoryview(self.jpeg[self.offsets[i]: self.offsets[i + 1]]), self.shape[2])
+        try:
+            return decode_jpeg(memoryview(self.jpeg[self.offsets[i]: self.offsets[i + 1]]), self.shape[2])
+        except (ValueError, OSError, RuntimeError) as e:  # bytes changed after the pack was built
+            raise TrainfastError(f"{self.path}: image {i} in jpeg.npy cannot be decoded ({e}); the pack is "
+                                 "damaged: build it again (trainfast pack ... --overwrite)") from None
 
     def label_text(self, label) -> str:
         """A label as a person reads it: the class name, or the plate string."""

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainfast.config import Augment
+from trainfast.config import Augment, as_augment
 from trainfast.data import augment as _augment
-from trainfast.data.decode import decode_jpeg, jpeg_decoder_name
+from trainfast.data.decode import jpeg_decoder_name
 from trainfast.data.format import Pack, as_pack
 from trainfast.errors import TrainfastError
 from trainfast.hardware import resolve_device, usable_cores
@@ -114,6 +114,22 @@ def _upload(pack: Pack, device: torch.device) -> _OnDevice:
     return held
 
 
+def _subset(subset, n: int) -> np.ndarray:
+    """Loader's subset as pack indices, each checked to be one of the pack's n images."""
+    try:
+        idx = np.asarray(subset)
+    except Exception:  # noqa: BLE001 - anything numpy cannot read is the argument's fault
+        idx = np.asarray([None])
+    if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+        raise TrainfastError(f"Loader: subset must be a list of whole-number image indices, not {str(subset)[:80]}")
+    idx = idx.astype(np.int64)
+    bad = idx[(idx < 0) | (idx >= n)]
+    if bad.size:
+        raise TrainfastError(f"Loader: subset holds index {bad[0]}, outside the pack's {n:,} images "
+                             f"(0 to {n - 1:,}){f'; {bad.size:,} such' if bad.size > 1 else ''}")
+    return idx
+
+
 class Loader:
     """An iterable of `(images, labels)` batches from a pack, on `device`.
 
@@ -157,10 +173,10 @@ class Loader:
                  workers: int | None = None, prefetch: int | None = None, subset=None,
                  resident: bool | None = None, decode: str = "auto"):
         self.pack = as_pack(pack, "Loader's pack")
-        self.subset = None if subset is None else np.asarray(subset, dtype=np.int64)
+        self.subset = None if subset is None else _subset(subset, len(self.pack))
         for arg, value, least in (("batch_size", batch_size, 1), ("workers", workers, 1), ("prefetch", prefetch, 1),
                                   ("rank", rank, 0), ("world_size", world_size, 1), ("seed", seed, 0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+            if (value is not None or arg in ("batch_size", "rank", "world_size", "seed")) and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
                                       or value < least):
                 raise TrainfastError(f"Loader: {arg} must be a whole number ≥ {least}, not {value!r}")
         if not (world_size >= 1 and 0 <= rank < world_size):
@@ -169,7 +185,7 @@ class Loader:
             self.device = resolve_device(device)
         except ValueError as e:
             raise TrainfastError(str(e)) from None
-        self.augment = augment or Augment()
+        self.augment = as_augment(augment) or Augment()
         if dtype == torch.uint8 and (self.augment.brightness or self.augment.contrast or self.augment.cutout):
             raise TrainfastError("colour augmentations (brightness, contrast, cutout) need a float dtype, not uint8")
         if dtype not in (torch.uint8, torch.float32, torch.bfloat16, torch.float16):
@@ -441,14 +457,8 @@ class Loader:
             if self._images is not None:
                 np.take(self._images, idx, axis=0, out=out)
             else:
-                jpeg, offsets = self.pack.jpeg, self.pack.offsets
                 for j, i in enumerate(idx):
-                    try:
-                        out[j] = decode_jpeg(memoryview(jpeg[offsets[i]: offsets[i + 1]]), c)
-                    except (ValueError, OSError, RuntimeError) as e:  # bytes changed after the pack was built
-                        raise TrainfastError(f"{self.pack.path}: image {i} in jpeg.npy cannot be decoded ({e}); "
-                                             "the pack is damaged: build it again (trainfast pack ... --overwrite)"
-                                             ) from None
+                    out[j] = self.pack.image(i)  # a damaged image: one line naming the pack
         labels = torch.from_numpy(self._labels[idx])
         return images, (labels.pin_memory() if self._pin else labels)
 

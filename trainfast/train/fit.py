@@ -20,14 +20,14 @@ import torch
 
 from trainfast import hardware, units
 from trainfast import step as _step
-from trainfast.config import Augment, Speed, TrainConfig
+from trainfast.config import Augment, Speed, TrainConfig, as_augment, check_pin
 from trainfast.data.format import Pack
 from trainfast.data.loader import Loader
 from trainfast.errors import TrainfastError
 from trainfast.train import checkpoint, distributed
 from trainfast.train.adapt import FirstSteps, RateCheck, Threads, TimeBudget
 from trainfast.train.evaluate import held_out_loader
-from trainfast.train.inputs import (augment_from, check_batch_fits, check_config, check_fits, check_trainable,
+from trainfast.train.inputs import (check_batch_fits, check_config, check_fits, check_trainable,
                                     check_val_fits, held_out, model_and_name, training_pack)
 from trainfast.train.metrics import MetricsLog
 from trainfast.train.optim import learning_rate, optimizer_for, scheduler_for
@@ -107,10 +107,11 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
     cfg = replace(config or TrainConfig(), **{k: v for k, v in (("epochs", epochs), ("lr", lr),
                                                                ("optimizer", optimizer), ("minutes", minutes))
                                                   if v is not None})
+    pin = check_pin(pin)
     if batch_size is not None:
-        pin = {**(pin or {}), "batch_size": batch_size}
+        pin = check_pin({**pin, "batch_size": batch_size})
     check_config(cfg)
-    augment = augment_from(augment)
+    augment = as_augment(augment)
     saved = None
     if resume:
         if not run_dir:

@@ -120,20 +120,6 @@ def held_out(train_pk: Pack, val_pk: Pack | None, cfg: TrainConfig):
     return train_pk, np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
-def augment_from(augment) -> Augment | None:
-    """fit's augment: an Augment, or a dict of its fields (as a notebook user writes it)."""
-    if augment is None or isinstance(augment, Augment):
-        return augment
-    if isinstance(augment, dict):
-        known = [f.name for f in fields(Augment)]
-        unknown = sorted(set(augment) - set(known))
-        if unknown:
-            raise TrainfastError(f"augment: {', '.join(unknown)} is not an augmentation trainfast has "
-                                 f"({', '.join(known)})")
-        return Augment(**augment)
-    raise TrainfastError(f"augment must be a trainfast.Augment (or a dict of its fields), not {type(augment).__name__}")
-
-
 def check_trainable(net: torch.nn.Module, name: str) -> None:
     params = list(net.parameters())
     if not any(p.requires_grad for p in params):

@@ -258,7 +258,7 @@ def _speed_lines(s: dict, reader: str) -> list[str]:
     from trainfast.hardware import is_busy, usable_cores
 
     users, ours = s["other_cores"]["users_pipeline"], s["other_cores"]["training"]
-    epochs, trained = s["config"]["epochs"], s["trained_epochs"]
+    trained = s["trained_epochs"]
     lines = []
     if trained < s["planned_epochs"]:
         plan = s.get("planned_epoch_s")
@@ -281,7 +281,7 @@ def _speed_lines(s: dict, reader: str) -> list[str]:
         f"{load(ours)}): its timings are low, and the two sides are not compared",
         f"one epoch (median): {s['epoch_s']:.1f} s with trainfast; {s['users_pipeline']['epoch_s']:.0f} s on the "
         f"users' pipeline and model ({reader} per image, fp32), measured at another moment",
-        f"run it again on a quiet machine for the comparison"]
+        "run it again on a quiet machine for the comparison"]
 
 
 def held_out_errors(net, test_pk: Pack, train_pk: Pack, speed: Speed, dev: torch.device, labels_csv: Path) -> dict:

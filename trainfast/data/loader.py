@@ -25,7 +25,6 @@ import warnings
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -5,14 +5,13 @@ Every mistake is one line naming the argument or file."""
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 
 import numpy as np
 import torch
 
 from trainfast import models
 from trainfast import step as _step
-from trainfast.config import SCHEDULES, Augment, TrainConfig, check_optimizer
+from trainfast.config import SCHEDULES, TrainConfig, check_optimizer
 from trainfast.data.format import Pack, as_pack
 from trainfast.data.loader import Loader
 from trainfast.data.arrays import pack_arrays

@@ -34,6 +34,19 @@ def test_32bit_integer_grey_is_scaled_not_wrapped(tmp_path):
     assert out.shape[:2] == (4, 4) and list(out[0, :, 0]) == [0, 128, 255, 0]
 
 
+@pytest.mark.parametrize("values,want", [
+    ([0, 2 ** 19, 2 ** 20, 2 ** 18], [0, 128, 255, 64]),      # 32-bit up to 2²⁰: was all black (issue 50.10)
+    ([-5.0, 0.0, 5.0, 2.5], [0, 128, 255, 191]),             # float with negatives: its own range
+    ([0.0, 5e5, 1e6, 2.5e5], [0, 128, 255, 64]),             # float past 255
+    ([0.0, 0.5, 1.0, 0.25], [0, 128, 255, 64]),              # float in [0, 1], as it is
+])
+def test_samples_with_no_fixed_range_map_the_image_own_range(tmp_path, values, want):
+    a = np.array([values] * 4, np.int32 if isinstance(values[0], int) else np.float32)
+    Image.fromarray(a).save(tmp_path / "x.tif")
+    out = decode_file((tmp_path / "x.tif").read_bytes(), (4, 4), "stretch", 1)
+    assert [abs(int(o) - w) <= 1 for o, w in zip(out[0, :, 0], want)] == [True] * 4, list(out[0, :, 0])
+
+
 def test_16bit_grey_is_scaled_not_clipped():
     a = np.full((8, 8), 32768, np.uint16)  # half of the 16-bit range
     im = Image.fromarray(a)

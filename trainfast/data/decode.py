@@ -29,18 +29,29 @@ def _target_scale(w: int, h: int, tw: int, th: int, mode: str) -> tuple[float, f
     return s, s
 
 
+def _wide_to_8bit(a: np.ndarray) -> np.ndarray:
+    """One channel of 16-bit, 32-bit or float samples as uint8. 16-bit ones (and Pillow's "I"
+    within 16 bits: it opens 16-bit PNGs so) map their full range, 0–65535, to 0–255; floats in
+    [0, 1] or [0, 255] map as they are. Samples with no fixed range (32-bit beyond 16 bits,
+    negative ones, floats past 255) map the image's own range: a 32-bit TIFF holding values up to
+    2²⁰ came out black under the full 32-bit range."""
+    floats = a.dtype.kind == "f"
+    a = np.nan_to_num(a.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    lo, hi = float(a.min(initial=0)), float(a.max(initial=0))
+    if lo < 0 or hi > (255.0 if floats else 65535.0):  # no fixed range: the image's own, 0 (or below) to its top
+        lo = min(lo, 0.0)
+        a = (a - lo) * (255.0 / max(hi - lo, 1e-12))
+    elif floats:
+        a = a * 255.0 if hi <= 1.0 else a
+    else:
+        a = a / 257.0
+    return np.rint(np.clip(a, 0, 255)).astype(np.uint8)
+
+
 def _to_8bit_mode(im: Image.Image, channels: int) -> Image.Image:
     """Any Pillow mode → 'RGB' or 'L' (alpha dropped, as Keras's load_img does)."""
     if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        a = np.asarray(im)
-        if a.dtype.kind == "f":
-            a = np.clip(a, 0.0, 1.0) * 255.0 if a.max(initial=0) <= 1.0 else np.clip(a, 0, 255)
-        else:  # integer samples: the full range of what they hold maps to 0–255, never wrapped
-            # NOTE: Pillow opens 16-bit PNGs as "I" too: "I" values within 16 bits are read as 16-bit
-            wide = im.mode == "I" and float(a.max(initial=0)) > 65535
-            scale = (2 ** 31 - 1) / 255.0 if wide else 257.0
-            a = np.clip(a.astype(np.float64) / scale, 0, 255)
-        im = Image.fromarray(np.rint(a).astype(np.uint8), "L")
+        im = Image.fromarray(_wide_to_8bit(np.asarray(im)), "L")
     if im.mode == "P" and "transparency" in im.info:
         im = im.convert("RGBA")
     want = "L" if channels == 1 else "RGB"

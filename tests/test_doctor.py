@@ -316,3 +316,23 @@ def test_on_a_busy_machine_the_doctor_tries_the_threads_left_free(pack, monkeypa
     assert any("trying 1 intra-op thread while other programs hold 1.0 of 2 cores" in m for m in said)
     assert torch.get_num_threads() == 2  # the trial's threads are put back
     assert r.other_load == 1.0
+
+
+def test_a_killed_doctor_scratch_folder_is_removed_by_the_next(tmp_path, monkeypatch):
+    """Issue 50.10: the doctor's sample pack lives under the cache; one a SIGKILL left behind
+    (its process gone) is removed when the next doctor starts, a live process's is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from trainfast import files
+    monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path / "cache"))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / "cache" / "doctor" / f"{dead.stdout.strip()}-abc"
+    alive = tmp_path / "cache" / "doctor" / f"{os.getppid()}-def"
+    for d in (left, alive):
+        (d / "sample").mkdir(parents=True)
+    with files.scratch("doctor") as tmp:
+        assert tmp.parent == tmp_path / "cache" / "doctor" and tmp.name.startswith(f"{os.getpid()}-")
+        (tmp / "x").write_text("x")
+    assert not left.exists() and alive.exists() and not tmp.exists()

@@ -8,6 +8,8 @@ never through a link.
   at `path` is replaced, its target untouched; a reader never sees half a file; on any failure
   (a full disk) the temporary file is removed.
 - `links(folder, names)`: which of those names in `folder` are symbolic links.
+- `scratch(kind)`: a folder of one process's temporary files under trainfast's cache, removed
+  at the end; one a killed process left behind is removed by the next.
 """
 
 from __future__ import annotations
@@ -142,3 +144,36 @@ def stale_temporaries(folder: Path, names) -> list[Path]:
 def links(folder: Path, names) -> list[str]:
     """The names in `folder` that are symbolic links (trainfast writes through none)."""
     return [n for n in names if (Path(folder) / n).is_symlink()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):  # another user's process, or a platform without the check
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def scratch(kind: str):
+    """A new folder for this process's temporary files, `<cache>/<kind>/<pid>-<random>`, removed
+    when the block ends. A folder there whose process is gone (SIGKILL, SIGTERM: nothing ran its
+    cleanup) is removed first. Where the cache cannot be written, the system's temporary folder."""
+    from trainfast.hardware import cache_dir
+
+    root = cache_dir() / kind
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for old in root.iterdir():
+            pid = old.name.split("-")[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
+    except OSError:
+        tmp = Path(tempfile.mkdtemp(prefix=f"trainfast-{kind}-"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import copy
 import shlex
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -23,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from trainfast import hardware, models, units
+from trainfast import files, hardware, models, units
 from trainfast import step as _step
 from trainfast.config import Speed
 from trainfast.data.format import Pack, is_pack
@@ -418,9 +416,6 @@ def _loader_seconds_per_batch(src: Source, shape, batch_size: int, dev) -> float
     """Pack a sample of the files, then time the Loader's batches on it (seconds per batch)."""
     from trainfast.diagnose.recipe import sample_pack
 
-    tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
-    try:
+    with files.scratch("doctor") as tmp:
         pk = sample_pack(src, tuple(shape[1:]), shape[0], batch_size, tmp)
         return seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device=dev, drop_last=True))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from trainfast import units
+from trainfast import files, units
 from trainfast.data.sources import IMAGE_EXTENSIONS, Source, from_csv, from_folder
 from trainfast.diagnose.verdict import Recommendation
 from trainfast.errors import TrainfastError
@@ -229,13 +227,10 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
     from trainfast.data.loader import Loader
     from trainfast.diagnose.checkup import seconds_per_batch
 
-    tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
-    try:
+    with files.scratch("doctor") as tmp:
         pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
         n = len(pk)
         per_batch = seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     new = max(step_s - data_s, 0.0) + per_batch
     unit = x is not None and float(np.min(x)) >= 0 and float(np.max(x)) <= 1.5  # the script fed [0, 1] images
     code = (f"from trainfast import Loader\n"

@@ -7,17 +7,14 @@ model from a pack. The script doctor finds this side through the package's entry
 
 from __future__ import annotations
 
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import keras
 import numpy as np
 import torch
 
-from trainfast import hardware, units
+from trainfast import files, hardware, units
 from trainfast.diagnose.probes import keras_layers
 from trainfast.diagnose.recipe import Recipe, sample_pack
 from trainfast.diagnose.script import ScriptReport, Step
@@ -108,8 +105,7 @@ class KerasSide:
                        x, y, max_seconds: float = 20.0) -> Recommendation:
         """Feed the script's own Keras model from a pack of a sample of its files for a few steps
         and compare the step time with the script's own (data wait included)."""
-        tmp = Path(tempfile.mkdtemp(prefix="trainfast-doctor-"))
-        try:
+        with files.scratch("doctor") as tmp:
             pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
             n = len(pk)
             feed = PackDataset(pk, batch_size=min(batch_size, len(pk)), drop_last=True)
@@ -123,8 +119,6 @@ class KerasSide:
 
             ends = batch_ends(model, batch, steps)
             step = statistics.median(np.diff(ends[1:])) if len(ends) > 3 else float("nan")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         code = (f"from trainfast.keras import PackDataset\n"
                 f"data = PackDataset({recipe.out!r}, batch_size={batch_size})   # was: {data_name}")
         return Recommendation(

@@ -82,3 +82,25 @@ def test_doctor_counts_must_be_positive(args, capsys):
     with pytest.raises(SystemExit) as e:
         main(["doctor", "--model", "cifar_cnn", "--data", "x.pack", *args])
     assert e.value.code == 2 and args[0] in capsys.readouterr().err  # argparse's one line, naming the option
+
+
+@pytest.mark.skipif((__import__("os").cpu_count() or 1) < 2, reason="a thread count to lower needs two CPUs")
+def test_quiet_train_leaves_out_how_the_run_adapts(digits_packs, small_net_file, tmp_path, monkeypatch, capsys):
+    """Issue 50.10: -q printed the threads line (and a resume's position); it prints the plan,
+    the epochs, notes and the result."""
+    import torch
+
+    from trainfast import hardware
+    monkeypatch.setattr(hardware, "other_cores_now", lambda *a, **k: 1.6)  # a neighbour holds most of a core
+    train, _ = digits_packs
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for quiet in ([], ["-q"]):
+            assert main(["train", str(train.path), "--model", f"{small_net_file}:small", "--epochs", "1", "--no-tune",
+                         "--batch-size", "64", "--device", "cpu", "--run-dir", str(tmp_path / f"run{len(quiet)}"),
+                         *quiet]) == 0
+            err = capsys.readouterr().err
+            assert ("threads 2 → 1" in err) is not bool(quiet) and "epoch 1:" in err and "best validation" in err
+    finally:
+        torch.set_num_threads(before)

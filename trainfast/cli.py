@@ -266,7 +266,9 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--brightness", type=float, default=0.0, help="augment: brightness jitter")
     tr.add_argument("--contrast", type=float, default=0.0, help="augment: contrast jitter")
     tr.add_argument("--cutout", type=int, default=0, help="augment: cutout square side")
-    tr.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    tr.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress bars, and no lines on how the run adapts (threads, where a resume starts): "
+                         "the plan, the epochs, notes and the result")
 
     dm = sub.add_parser(
         "demo", help="the whole story on built-in plates: diagnose, pack, tune, train",
@@ -415,9 +417,12 @@ def _cmd_tune(a) -> ExitStatus:
 
 def _cmd_train(a) -> ExitStatus:
     from trainfast.config import Augment, TrainConfig
+    from trainfast.errors import Detail
     from trainfast.train import fit
 
-    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    def log(msg):
+        if not (a.quiet and isinstance(msg, Detail)):  # -q: what the run found, not how it adapts
+            print(msg, file=sys.stderr)
     if a.resume:
         saved = _resumable(a)
         packs = [p["path"] if isinstance(p, dict) else p for p in (saved["train_pack"], saved.get("val_pack"))]

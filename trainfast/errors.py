@@ -15,3 +15,8 @@ def in_words(e: BaseException, limit: int = 120) -> str:
     line of its message (at most `limit` characters); the type alone where the message is empty."""
     why = (str(e).strip().splitlines() or [""])[0][:limit]
     return f"{type(e).__name__}{': ' + why if why else ''}"
+
+
+class Detail(str):
+    """A log line that tells how a run adapts (threads, a resume's position), not what it
+    found: `trainfast train -q` leaves these out. A plain str to any other log callback."""

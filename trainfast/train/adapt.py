@@ -15,7 +15,7 @@ from trainfast import step as _step
 from trainfast import tuning
 from trainfast.config import Speed, TrainConfig
 from trainfast.data.format import Pack
-from trainfast.errors import in_words
+from trainfast.errors import Detail, in_words
 from trainfast.train.optim import tail_scheduler
 from trainfast.train.rundir import record_speed
 from trainfast.train import run as loop
@@ -45,7 +45,7 @@ class Threads:
             torch.set_num_threads(want)
             why = (f"other processes kept {other:.1f} of {hardware.usable_cores()} cores busy {when}" if want < now
                    else f"the machine is quieter {when} ({other or 0:.1f} cores busy)")
-            self.say(f"threads {now} → {want}: {why}")
+            self.say(Detail(f"threads {now} → {want}: {why}"))
 
     def __enter__(self):
         self.load = hardware.OtherLoad().__enter__()

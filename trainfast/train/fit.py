@@ -23,7 +23,7 @@ from trainfast import step as _step
 from trainfast.config import Augment, Speed, TrainConfig, as_augment, check_pin
 from trainfast.data.format import Pack
 from trainfast.data.loader import Loader
-from trainfast.errors import TrainfastError
+from trainfast.errors import Detail, TrainfastError
 from trainfast.train import checkpoint, distributed
 from trainfast.train.adapt import FirstSteps, RateCheck, Threads, TimeBudget
 from trainfast.train.evaluate import held_out_loader
@@ -345,7 +345,7 @@ def _start(plan: Plan, chosen: Chosen) -> tuple[Run, float]:
               saved=(0, time.perf_counter()))
     if plan.saved is not None and plan.started:
         run.restore(checkpoint.load(run_dir / "last.pt", plan.name, net))  # on the CPU; load_state_dict moves it
-        say(f"resuming {run_dir} at epoch {run.state['epoch'] + 1}, batch {loader.position} of {len(loader)}")
+        say(Detail(f"resuming {run_dir} at epoch {run.state['epoch'] + 1}, batch {loader.position} of {len(loader)}"))
     if world.is_main:
         log_csv.load(run.state["epoch"])
         run.plotted = (len(log_csv.rows), time.perf_counter())

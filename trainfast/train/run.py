@@ -23,7 +23,7 @@ from trainfast import files, units
 from trainfast import step as _step
 from trainfast.config import Speed, TrainConfig
 from trainfast.data.loader import Loader
-from trainfast.errors import TrainfastError
+from trainfast.errors import Detail, TrainfastError
 from trainfast.train import checkpoint, distributed
 from trainfast.train.evaluate import evaluate, measure_batch_norm
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
@@ -300,8 +300,8 @@ class Run:
                      "resumed run's sums differ from an uninterrupted run's in the last bits")
             return
         torch.set_num_threads(saved)
-        self.say(f"threads {now} → {saved}: as the checkpoint was trained (a --deterministic run resumes "
-                 "with the same sums)")
+        self.say(Detail(f"threads {now} → {saved}: as the checkpoint was trained (a --deterministic run resumes "
+                        "with the same sums)"))
 
     def _checkpoint(self, partial: list[float]) -> dict:
         # NOTE: the loader's own position counts batches it handed out; the checkpoint records

@@ -1239,3 +1239,19 @@ def test_every_short_schedule_runs_with_every_warmup(schedule):
                 sched.step()
                 rates.append(sched.get_last_lr()[0])
             assert all(math.isfinite(r) and 0 <= r <= 0.1 + 1e-9 for r in rates), (total, warmup, rates)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_run_directory_files_follow_the_umask(digits_packs, tmp_path, umask):
+    """Issue 50.10: checkpoints and curves are written beside and renamed (files.write_whole),
+    whose temporary file is 0600; the run's files get the mode open() would give them."""
+    train, test = digits_packs
+    old = os.umask(umask)
+    try:
+        fit(nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10)), train, test, epochs=1, device="cpu", tune=False,
+            run_dir=tmp_path / "run", progress=False, log=lambda *a: None)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "run").iterdir()}
+    assert {"last.pt", "best.pt", "curves.png", "config.json", "metrics.csv"} <= set(modes)
+    assert set(modes.values()) == {0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}

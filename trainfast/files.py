@@ -74,6 +74,8 @@ def write_whole(path: Path, write) -> None:
     except OSError as e:
         raise TrainfastError(f"{path}: cannot write ({e.strerror or e})") from None
     try:
+        with contextlib.suppress(OSError, AttributeError):  # mkstemp makes 0600: the mode open() would give
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -85,6 +87,20 @@ def write_whole(path: Path, write) -> None:
         if reason:
             raise TrainfastError(f"{path}: cannot write ({reason}); nothing was replaced") from None
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc/self/status)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)  # elsewhere: set and put back at once
+    os.umask(old)
+    return old
 
 
 def _write_failure(e: BaseException, folder: Path) -> str | None:

@@ -1,6 +1,8 @@
 """`trainfast doctor -- python SCRIPT`: real scripts, run in-process, stopped and diagnosed."""
 
 import json
+import os
+import shlex
 import textwrap
 from pathlib import Path
 
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 from trainfast.cli import main
+from trainfast.data.format import Pack
 from trainfast.diagnose.script import doctor_script
 from trainfast.errors import TrainfastError
 
@@ -512,3 +515,26 @@ def test_data_that_yields_no_batch_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]  # after the doctor's progress lines
     assert "Traceback" not in err and "no file of batch 0 could be read (first: " in last and "nope1.jpg" in last
+
+
+def test_the_pack_command_pastes_after_a_chdir_and_for_odd_folder_names(tmp_path, image_folder, monkeypatch):
+    """Issue 50.9: a script that changes directory (paths were printed relative to its new one), a
+    folder whose name begins with `-` (an option to argparse) and holds a newline (plain quotes
+    kept it, and the indented text report put spaces inside them). Pasted into bash from where
+    the user ran the doctor, the printed command packs the folder."""
+    import shutil
+    import subprocess
+    import sys
+    odd = "-pho\ntos"
+    shutil.copytree(image_folder, tmp_path / "data" / odd)
+    script = _script(tmp_path, TORCH_FOLDER.replace("root = sys.argv[1]", "os.chdir('..'); root = sys.argv[1]"))
+    monkeypatch.chdir(tmp_path / "data")
+    r = doctor_script(["python", str(script), f"data/{odd}"], steps=1, log=lambda m: None)
+    assert os.getcwd() == str(tmp_path / "data")  # the doctor's own directory is given back
+    command = r.recommendations[0].action.splitlines()[0]
+    assert command.startswith("trainfast pack $'./-pho\\ntos' "), command
+    assert command in r.text()  # whole, on one line of the report
+    p = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} -m {command}"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-1000:]
+    pk = Pack(tmp_path / "data" / f"{odd}.pack")  # named after the folder, beside where the user is
+    assert len(pk) == 24 and pk.classes == ["cat", "dog"]

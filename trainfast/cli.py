@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from enum import IntEnum
 
 from trainfast import __version__
 from trainfast.config import OPTIMIZERS, PRECISIONS
 from trainfast.errors import TrainfastError
+from trainfast.units import shell_arg
 
 
 class ExitStatus(IntEnum):
@@ -474,7 +474,7 @@ def _resumable(a) -> dict:
     elif not a.model:
         raise TrainfastError(f"{a.resume}/config.json names the model {spec!r}, code in a file, and trainfast runs no "
                              f"code that a run directory names. If you trust that file, name it yourself: "
-                             f"trainfast train --resume {shlex.quote(str(a.resume))} --model {shlex.quote(spec)}")
+                             f"trainfast train --resume {shell_arg(a.resume, path=True)} --model {shell_arg(spec)}")
     return saved
 
 

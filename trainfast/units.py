@@ -1,9 +1,27 @@
-"""Numbers as people read them: rates and milliseconds that keep their significant digits.
+"""Numbers as people read them: rates and milliseconds that keep their significant digits; and
+arguments of a printed command, quoted for pasting into a shell (`shell_arg`).
 
-NOTE: imports nothing; every room may use it. A rate of 0.8 images/s printed as "1" hid a
+NOTE: imports nothing of ours; every room may use it. A rate of 0.8 images/s printed as "1" hid a
 ×1.39 fix behind "1 → 1 images/s" (a 512² model at batch 5); these keep 3 significant digits
 below 100 and whole numbers with thousands separators above.
 """
+
+
+def shell_arg(text, path: bool = False) -> str:
+    """One argument of a command printed for pasting: shell-quoted (a folder named `photos $(id)`
+    stays one argument and runs nothing); a name with a newline or another control character
+    as bash/zsh/POSIX-2024 `$'...'` (plain quotes would hold the newline, and an indented report
+    puts spaces inside them); a path that begins with `-` as `./-name` (an option otherwise)."""
+    import shlex
+
+    text = str(text)
+    if path and text.startswith("-"):
+        text = "./" + text
+    if not any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        return shlex.quote(text)
+    escaped = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+    return "$'" + "".join(escaped.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch)
+                          for ch in text) + "'"
 
 
 def rate(x: float) -> str:

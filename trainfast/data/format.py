@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 from pathlib import Path
 
 import numpy as np
 
 from trainfast.errors import TrainfastError
+from trainfast.units import shell_arg
 
 SCHEMA_VERSION = 1
 META = "meta.json"
@@ -38,7 +38,7 @@ def read_meta(path) -> dict:
         raise TrainfastError(f"{p}: no such pack (no file or folder there)")
     if not p.is_dir():  # a CSV, an image, a tarball given where a pack belongs
         raise TrainfastError(f"{p}: not a pack but a file; make a pack from it first: "
-                             f"trainfast pack {shlex.quote(str(p))} OUT --size HxW")
+                             f"trainfast pack {shell_arg(p, path=True)} OUT --size HxW")
     try:
         meta = json.loads((p / META).read_text(encoding="utf-8"))
     except FileNotFoundError:

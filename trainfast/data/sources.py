@@ -11,7 +11,6 @@ import hashlib
 import io
 import os
 import pickle
-import shlex
 import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from trainfast.errors import TrainfastError
+from trainfast.units import shell_arg
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 DEFAULT_ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -66,8 +66,13 @@ class Source:
     def pack_command(self, out: str, size: str) -> str:
         """The `trainfast pack` command that reads this source as it was read here, shell-quoted
         for pasting (a folder named `photos $(id)` stays one argument)."""
-        return (f"trainfast pack {shlex.quote(self.origin)} {shlex.quote(out)} --size {shlex.quote(size)}"
+        return (f"trainfast pack {shell_arg(self.origin, path=True)} {shell_arg(out, path=True)} --size {shell_arg(size)}"
                 + (f" {self.pack_flags}" if self.pack_flags else ""))
+
+
+def _flag(option: str, value: str) -> str:
+    """`--option value` for a printed command; `--option=-value` where the value begins with `-`."""
+    return f"{option}={shell_arg(value)}" if str(value).startswith("-") else f"{option} {shell_arg(value)}"
 
 
 def open_source(path, *, path_column="path", label_column="label", label_kind="auto",
@@ -237,10 +242,10 @@ def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="
         label_array = np.asarray(labels, np.int64).reshape(len(labels), length)
     if not keys:
         raise TrainfastError(f"{csv_path}: every row was rejected (first: {skipped[0][0]}: {skipped[0][1]})")
-    flags = [f"--path-column {shlex.quote(path_column)}"] * (path_column != "path")
-    flags += [f"--label-column {shlex.quote(label_column)}"] * (label_column != "label")
+    flags = [_flag("--path-column", path_column)] * (path_column != "path")
+    flags += [_flag("--label-column", label_column)] * (label_column != "label")
     flags += [f"--labels {given}"] * (given != "auto")
-    flags += [f"--alphabet {shlex.quote(alphabet)}"] * (label_kind == "sequence" and alphabet != DEFAULT_ALPHABET)
+    flags += [_flag("--alphabet", alphabet)] * (label_kind == "sequence" and alphabet != DEFAULT_ALPHABET)
     return Source("csv", str(csv_path), keys, label_array, classes=classes,
                   alphabet=alphabet if label_kind == "sequence" else None, files=files, skipped=skipped,
                   pack_flags=" ".join(flags))

@@ -12,7 +12,6 @@ with each candidate fix to measure what it buys.
 from __future__ import annotations
 
 import copy
-import shlex
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -35,6 +34,7 @@ from trainfast.diagnose.storage import read_throughput, storage_sentence
 from trainfast.diagnose.timing import StepTimes, step_breakdown, synthetic_batches, throughput
 from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, cores_sentence, roofline, verdict
 from trainfast.errors import TrainfastError
+from trainfast.units import shell_arg
 
 SCHEMA_VERSION = 1
 
@@ -286,7 +286,7 @@ def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recomm
                 "Pack the images once onto a local disk, then stream the pack" if storage.get("storage_bound")
                 else "Pack the images once, then stream the pack",
                 f"{src.pack_command('DATA.pack', f'{shape[1]}x{shape[2]}')}\n"
-                f"trainfast train DATA.pack --model {shlex.quote(cmd_model)}",
+                f"trainfast train DATA.pack --model {shell_arg(cmd_model)}",
                 t.step / new, True,
                 f"a pack of a sample of your files loads a batch in {units.ms(per_batch)} ms; your pipeline "
                 f"took {units.ms(t.data)} ms" + (f"; {storage['sentence']}" if storage else "")))

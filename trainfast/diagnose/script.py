@@ -17,6 +17,7 @@ the script by raising an exception that `except Exception` does not catch, and r
 
 from __future__ import annotations
 
+import contextlib
 import html
 import importlib.abc
 import importlib.util
@@ -244,6 +245,7 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
         watchdog.start()
     sampler.start()
     load = hardware.OtherLoad().__enter__()
+    cwd = os.getcwd()  # a script may change directory; the report's paths are for where the user ran it
     try:
         if kind == "path":
             runpy.run_path(target, run_name="__main__")
@@ -272,6 +274,8 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
         stop.set()
         sampler.join()
         sys.argv, sys.path[:] = old_argv, old_path
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
         for u in reversed(undo):
             u()
     report = _report(command, probe, stopped, error, log, fixes)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shlex
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from trainfast.train.evaluate import evaluate, measure_batch_norm
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
 from trainfast.train.optim import tail_scheduler
 from trainfast.train.signals import Interrupts
+from trainfast.units import shell_arg
 
 # Steps between reads of the loss off the device (see EpochSums). On a CPU a read costs nothing.
 READ_EVERY = {"cpu": 1, "cuda": 25}
@@ -389,7 +389,7 @@ def run_epochs(run: Run, threads, watchers: list[Watcher], progress: bool) -> st
             lost = True
             raise TrainfastError(f"another process of this run stopped ({reason}); this one stops too. The last "
                                  f"checkpoint rank 0 saved is in {run_dir}: resume with torchrun … -m trainfast train "
-                                 f"--resume {shlex.quote(str(run_dir))}") from None
+                                 f"--resume {shell_arg(run_dir, path=True)}") from None
         raise
     except KeyboardInterrupt:
         if interrupts.torn:  # a second Ctrl-C mid-step: weights and position may disagree; keep the last save
@@ -397,7 +397,7 @@ def run_epochs(run: Run, threads, watchers: list[Watcher], progress: bool) -> st
         else:
             run.save(epoch)
             say(f"\ninterrupted; saved {run_dir / 'last.pt'}. Continue with: trainfast train --resume "
-                f"{shlex.quote(str(run_dir))}")
+                f"{shell_arg(run_dir, path=True)}")
         raise
     except GivesWay:
         starting_over = True  # the next attempt draws its own curves in this directory

@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     tv, timm = outside_models.import_libraries()
     if tv is None or timm is None:
-        raise SystemExit("needs torchvision and timm (pip install timm)")
+        raise SystemExit("needs torchvision and timm (pip install torch==2.13.0 timm)")
     cpu = torch.device("cpu")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'model':24s} {'params':>7s} {'AdamW loop':>10s} {'foreach':>8s} {'fused':>6s} {'SGD':>6s}   "

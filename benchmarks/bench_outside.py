@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     tv, timm = outside_models.import_libraries()
     if tv is None or timm is None:
-        raise SystemExit("needs torchvision and timm (pip install timm)")
+        raise SystemExit("needs torchvision and timm (pip install torch==2.13.0 timm)")
     names = a.only or list(outside_models.PANEL)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

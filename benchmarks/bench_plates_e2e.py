@@ -33,7 +33,7 @@ after it counts as not reached.
 Each contender runs in a fresh process; the runs are interleaved so that a slow spell of the
 machine hits them all, and run i seeds every contender with i. The first epoch is reported
 apart (it warms caches, traces graphs and, for tf.data, fills the cache); "epoch" is the
-median of the later ones, then of the runs. Needs the benchmark extra: pip install -e ".[bench]".
+median of the later ones, then of the runs. Needs the benchmark extra: pip install torch==2.13.0 -e ".[bench]".
 """
 
 from __future__ import annotations

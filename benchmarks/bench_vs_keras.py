@@ -7,7 +7,7 @@ its defaults (eager fp32, NCHW, the users' batch).
 Each contender runs in a fresh process of its own (so no framework's thread pools, allocator
 or settings leak into another's figures), on in-memory random batches, warm-up excluded; each
 figure is the median of --runs timed runs. Keras is given the users' batch and trainfast's
-tuned batch and keeps its faster one. Needs the benchmark extra: pip install -e ".[bench]".
+tuned batch and keeps its faster one. Needs the benchmark extra: pip install torch==2.13.0 -e ".[bench]".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Every benchmark of docs/BENCHMARKS.md, one after another, each in its own process, with
 its output printed and kept in OUT/NAME.txt.
 
-    pip install -e ".[bench]"
+    pip install torch==2.13.0 -e ".[bench]"
     python benchmarks/run_all.py [--out bench-results] [--only vs_keras plates_e2e]
 
 bench_storage.py is left out: its slow drive is a FUSE mount (libfuse2, root); run it alone.

@@ -7,7 +7,7 @@ plates/ is what `trainfast make-plates plates --count 4000` writes (images/ and 
 of path,plate); plates.pack is what `trainfast pack plates/labels.csv plates.pack --size 64x128
 --label-column plate` writes. Prints each epoch's time. See docs/KERAS.md.
 
-Needs Keras 3, a backend and scikit-image: `pip install -e ".[keras,demo]" tensorflow-cpu`
+Needs Keras 3, a backend and scikit-image: `pip install torch==2.13.0 -e ".[keras,demo]" tensorflow-cpu`
 (or KERAS_BACKEND=torch with the torch you have).
 """
 

@@ -99,7 +99,7 @@ def training_minutes(cfg: "DemoConfig", device: torch.device, elapsed_s: float, 
 
 
 def _reader() -> str:
-    """The story's own reader (skimage) when installed (`pip install trainfast[demo]`), else Pillow."""
+    """The story's own reader (skimage) when installed (`pip install torch==2.13.0 -e ".[demo]"`), else Pillow."""
     import importlib.util
 
     return "skimage" if importlib.util.find_spec("skimage") else "pil"

@@ -18,15 +18,16 @@ def test_pack_dataset_yields_the_loaders_batches_in_the_loaders_order(digits_pac
     train, _ = digits_packs
     aug = Augment(translate=2)
     ds = PackDataset(train, batch_size=50, seed=3, augment=aug)
-    loader = Loader(train, 50, seed=3, device="cpu", normalize=False, augment=aug)
-    assert len(ds) == len(loader)
+    loader = Loader(train, 50, seed=3, device="cpu", normalize=False, augment=aug, drop_last=False)
+    assert len(ds) == len(loader) == -(-len(train) // 50)  # every image, as a Keras Sequence (issue 49.6)
     for epoch in range(2):
         for k, (x, y) in enumerate(loader):
             kx, ky = ds[k]
-            assert kx.shape == (50, 32, 32, 3) and kx.dtype == np.float32
+            assert kx.shape == (50 if k < len(ds) - 1 else len(train) - 50 * k, 32, 32, 3) and kx.dtype == np.float32
             assert np.array_equal(kx, x.permute(0, 2, 3, 1).numpy()) and np.array_equal(ky, y.numpy())
         ds.on_epoch_end()
     assert not np.array_equal(ds[0][1], PackDataset(train, batch_size=50, seed=3)[0][1])  # epochs differ
+    assert len(PackDataset(train, batch_size=50, drop_last=True)) == len(train) // 50
 
 
 def test_a_keras_model_trains_on_a_pack_and_the_speed_doctor_reports(digits_packs):

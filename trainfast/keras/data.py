@@ -17,13 +17,16 @@ class PackDataset(keras.utils.PyDataset):
 
     Args:
         pack: a Pack or its path.
-        batch_size, shuffle, drop_last, seed, augment: as for trainfast.Loader.
+        batch_size, shuffle, seed, augment: as for trainfast.Loader.
+        drop_last: False (the default) ends each epoch with the smaller batch that is left, as a
+            Keras Sequence or tf.data's batch() does: every image, every epoch; True drops it
+            (trainfast.Loader's default when shuffling: every step the same shape).
         normalize: subtract the pack's mean and divide by its std; off by default, giving
             values in [0, 1], as the usual Keras `/ 255.0` does.
         **kwargs: PyDataset's own (workers, use_multiprocessing, max_queue_size).
     """
 
-    def __init__(self, pack, batch_size: int = 32, shuffle: bool = True, *, drop_last: bool | None = None,
+    def __init__(self, pack, batch_size: int = 32, shuffle: bool = True, *, drop_last: bool = False,
                  seed: int = 0, augment: Augment | None = None, normalize: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.loader = Loader(pack, batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed, device="cpu",

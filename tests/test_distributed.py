@@ -153,7 +153,7 @@ def test_a_run_interrupted_mid_epoch_resumes_on_more_processes(stoppable, tmp_pa
     p = _trainfast(["train", str(train.path), "--model", f"{model}:small", "--epochs", "2", "--no-tune",
                     "--batch-size", "32", "--threads", "1", "--run-dir", str(run), *COMMON], env={"TEST_STOP_AT": "20"})
     assert p.returncode == 130 and "interrupted; saved" in p.stderr, p.stderr[-2000:]
-    p = _trainfast(["train", "--resume", str(run), "--model", f"{model}:small", "--device", "cpu", "-q"], nproc=2)
+    p = _trainfast(["train", "--resume", str(run), "--model", f"{model}:small", "--device", "cpu"], nproc=2)  # no -q: its lines
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resuming a run of 1 process with 2: batch 16 per process keeps the global batch of 32" in p.stderr
     assert "at epoch 1, batch 20 of" in p.stderr

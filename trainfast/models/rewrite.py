@@ -85,17 +85,25 @@ def inplace_relu(model: nn.Module) -> int:
 _SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
-def _scaled(keep: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+def bit_patterns(scale: float) -> dict[torch.dtype, int]:
+    """`scale` in each float type, as the integer of the same width with its bits."""
+    return {dt: int(torch.tensor(scale, dtype=dt).view(as_int).item()) for dt, as_int in _SAME_WIDTH_INT.items()}
+
+
+def _scaled(keep: torch.Tensor, dtype: torch.dtype, scale: float, patterns: dict | None = None) -> torch.Tensor:
     """keep (bool) → {0, scale} in dtype. For float types this is an integer multiply by the bit
-    pattern of `scale`, viewed as floats: exact, and twice as fast as a bf16 multiply on CPU."""
+    pattern of `scale`, viewed as floats: exact, and twice as fast as a bf16 multiply on CPU.
+    `patterns` (bit_patterns(scale)), worked out before the step: read in a compiled step, the
+    pattern is a constant, where working it out there (a tensor's .item()) broke the graph and
+    printed torch._dynamo's warning from trainfast's own code."""
     as_int = _SAME_WIDTH_INT.get(dtype)
     if as_int is None:
         return keep.to(dtype).mul_(scale)
-    pattern = torch.tensor(scale, dtype=dtype).view(as_int).item()
+    pattern = (patterns or bit_patterns(scale))[dtype]
     return keep.to(as_int).mul_(pattern).view(dtype)
 
 
-def keep_mask(like: torch.Tensor, p: float) -> torch.Tensor:
+def keep_mask(like: torch.Tensor, p: float, patterns: dict | None = None) -> torch.Tensor:
     """A {0, 1/(1-p)} tensor of like's shape, dtype and memory layout, each element kept with
     probability 1 - p, from 8 random bits per element when p is a multiple of 1/256 (0.25,
     0.5: exact), else from 16 bits (p to 1/65536)."""
@@ -107,7 +115,7 @@ def keep_mask(like: torch.Tensor, p: float) -> torch.Tensor:
         keep = bits.view(torch.int8)[:n] >= -128 + round(p * 256)
     else:
         keep = bits.view(torch.int16)[:n] >= -32768 + round(p * 65536)
-    mask = _scaled(keep, like.dtype, 1.0 / (1.0 - p))
+    mask = _scaled(keep, like.dtype, 1.0 / (1.0 - p), patterns)
     if like.dim() == 4 and not like.is_contiguous() and like.is_contiguous(memory_format=torch.channels_last):
         b, c, h, w = like.shape
         return mask.view(b, h, w, c).permute(0, 3, 1, 2)  # same strides as `like`: no layout conversion
@@ -117,12 +125,23 @@ def keep_mask(like: torch.Tensor, p: float) -> torch.Tensor:
 class CheapDropout(nn.Dropout):
     """nn.Dropout with a keep-mask drawn 16 bits at a time (see keep_mask)."""
 
+    def __init__(self, p: float = 0.5, inplace: bool = False):
+        super().__init__(p, inplace)
+        self._patterns_p, self._patterns = None, None
+        self._patterns_for_p()
+
+    def _patterns_for_p(self) -> dict | None:
+        """1 / (1 - p)'s bit patterns, worked out again only where p was changed."""
+        if self._patterns_p != self.p:
+            self._patterns_p, self._patterns = self.p, bit_patterns(1.0 / (1.0 - self.p)) if 0 < self.p < 1 else None
+        return self._patterns
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
         if self.p >= 1:
             return x * 0
-        return x * keep_mask(x, self.p)
+        return x * keep_mask(x, self.p, self._patterns_for_p())
 
 
 def cheap_dropout(model: nn.Module) -> int:

@@ -27,6 +27,22 @@ def write_images(root, classes=("cat", "dog"), per_class=12, seed=0, ext=".jpg")
     return root
 
 
+def step_clock(monkeypatch, seconds):
+    """fit's thread trials (adapt.Threads) read a clock that advances, at each reading, by
+    seconds(threads) (a dict or a function of torch's thread count now, i.e. the count the
+    step just ended ran with): a step's time at each count, as a neighbour would make it."""
+    import torch
+
+    from trainfast.train import adapt
+    t = [0.0]
+
+    def now():
+        n = torch.get_num_threads()
+        t[0] += seconds(n) if callable(seconds) else seconds[n]
+        return t[0]
+    monkeypatch.setattr(adapt, "_now", now)
+
+
 def other_load(monkeypatch, cores, machine_cores: int | None = 2):
     """Pretend other processes keep `cores` (a number, or a function called per measurement)
     busy during every hardware.OtherLoad measurement, on a machine of `machine_cores` cores

@@ -90,8 +90,8 @@ def test_quiet_train_leaves_out_how_the_run_adapts(digits_packs, small_net_file,
     the epochs, notes and the result."""
     import torch
 
-    from trainfast import hardware
-    monkeypatch.setattr(hardware, "other_cores_now", lambda *a, **k: 1.6)  # a neighbour holds most of a core
+    from conftest import step_clock
+    step_clock(monkeypatch, {2: 0.1, 1: 0.05})  # a neighbour makes the second thread cost time
     train, _ = digits_packs
     before = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -5,6 +5,7 @@ and the time budget (TrainConfig.minutes) that shortens the plan."""
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import replace
 
@@ -22,30 +23,93 @@ from trainfast.train import run as loop
 from trainfast.train.run import Run, Watcher, moments_like_weights
 from trainfast.train.speed import pays, timed_rate
 
+_now = time.perf_counter  # Threads' clock (tests give it one that knows the thread count)
+
 
 class Threads:
-    """torch's intra-op threads, following other processes' load on a CPU run: at the start
-    from a quick sample, then after each epoch from the load measured during it
-    (hardware.free_threads); said in the log when they change. Off where the threads are
-    pinned (Speed.threads), on a GPU, under torchrun (each rank's neighbours are its peers), and
-    for a deterministic run (the threads change the order of a CPU kernel's sums). Never more
-    than the threads torch had when the run began; fit puts those back at its end."""
+    """torch's intra-op threads on a CPU run, chosen by timing the run's own steps: laps of LAP
+    steps at the threads the run has and at the other candidate (half the threads the run
+    began with, or those again), alternated ROUNDS times within an epoch, each lap's first
+    SETTLE steps untimed (the thread pool settles; every step trains); fewer threads are kept
+    only where GAIN× faster, and a first round ×CLEAR apart settles it. The first trial starts
+    once the first steps' own comparison (FirstSteps) is done; another once RECHECK× a trial's
+    steps have gone by: other programs come and go.
 
-    def __init__(self, active: bool, say, since: hardware.OtherLoad | None = None):
-        self.active, self.say, self.cap = active, say, torch.get_num_threads()
+    Other processes' CPU share does not say whether they would yield: a low-priority neighbour
+    keeps a core busy and gives it up at once, and reading its share cost fit a thread and
+    ×0.84 in images/s (issue 51). The share is still recorded each epoch (`other_cores`: the
+    rate check's notes). Off where the threads are pinned (Speed.threads), on a GPU, under
+    torchrun (each rank would time its peers' waits), and for a deterministic run (another
+    count sums in another order). Never more than the threads torch had when the run began;
+    fit puts those back at its end."""
+
+    SETTLE, LAP, ROUNDS, GAIN, CLEAR, RECHECK = 1, 3, 2, 1.08, 1.5, 4
+
+    def __init__(self, active: bool, since: hardware.OtherLoad | None = None):
+        self.cap = torch.get_num_threads()
+        self.active = active and self.cap > 1
         self.load: hardware.OtherLoad | None = None
-        # measured over the run's set-up where `since` began it; fit's tune reuses this sample
+        # the load over the run's set-up where `since` began it: fit's tune times with it
         self.at_start = hardware.other_cores_now(since=since) if active else None
-        if active:
-            self.set(self.at_start, "at the start")
+        self.laps: list[int] = []  # the thread count of each lap still to run in this trial
+        self.times: dict[int, list[float]] = {}
+        self.began_with, self.in_lap, self.last = self.cap, 0, 0.0
+        self.since_trial: int | None = None  # steps since the last trial began; None before the first
+        self.trials: list[dict] = []  # what each trial timed and kept, for the log (run-to-run comparisons)
+        self.line = ""  # what the last trial found, said after the epoch's progress bar
 
-    def set(self, other: float | None, when: str) -> None:
-        want, now = hardware.free_threads(other, self.cap), torch.get_num_threads()
-        if want != now:
-            torch.set_num_threads(want)
-            why = (f"other processes kept {other:.1f} of {hardware.usable_cores()} cores busy {when}" if want < now
-                   else f"the machine is quieter {when} ({other or 0:.1f} cores busy)")
-            self.say(Detail(f"threads {now} → {want}: {why}"))
+    @property
+    def trial_steps(self) -> int:
+        return 2 * self.ROUNDS * (self.SETTLE + self.LAP)
+
+    def after_step(self, steps_left: int, ready: bool) -> None:
+        """After each training step: the trial's clock and switches; a new trial where one is due
+        and fits in the `steps_left` of this epoch (`ready`: the first steps' comparison is done)."""
+        if self.laps:
+            self._timed(_now())
+        elif self.active and ready and steps_left >= self.trial_steps and \
+                (self.since_trial is None or self.since_trial >= self.RECHECK * self.trial_steps):
+            self._begin()
+        elif self.since_trial is not None:
+            self.since_trial += 1
+
+    def _begin(self) -> None:
+        now = torch.get_num_threads()
+        other = max(1, self.cap // 2) if now == self.cap else self.cap
+        self.laps, self.times = [now, other] * self.ROUNDS, {now: [], other: []}
+        self.began_with, self.in_lap, self.since_trial, self.last = now, 0, 0, _now()
+
+    def _timed(self, t: float) -> None:
+        n = self.laps[0]
+        self.since_trial += 1
+        if self.in_lap >= self.SETTLE:
+            self.times[n].append(t - self.last)
+        self.last, self.in_lap = t, self.in_lap + 1
+        if self.in_lap < self.SETTLE + self.LAP:
+            return
+        self.laps.pop(0)
+        self.in_lap = 0
+        med = self._medians()
+        if len(med) == 2 and max(med.values()) > self.CLEAR * min(med.values()):
+            self.laps = []  # one round tells where the difference is this large
+        if self.laps:
+            torch.set_num_threads(self.laps[0])
+        else:
+            self._keep(med)
+
+    def _medians(self) -> dict[int, float]:
+        return {n: statistics.median(ts) for n, ts in self.times.items() if ts}
+
+    def _keep(self, med: dict[int, float]) -> None:
+        fewer, more = min(med), max(med)
+        keep = fewer if med[more] > self.GAIN * med[fewer] else more
+        torch.set_num_threads(keep)
+        timed = f"{units.ms(med[fewer])} ms a step with {fewer}, {units.ms(med[more])} ms with {more}"
+        self.trials.append({"kept": keep, "ms": {n: round(1e3 * m, 2) for n, m in med.items()}})
+        if keep != self.began_with:
+            self.line = Detail(f"threads {self.began_with} → {keep}: timed on the run's own steps ({timed})")
+        elif len(self.trials) == 1:
+            self.line = Detail(f"threads: {keep}, timed on the run's own steps ({timed})")
 
     def __enter__(self):
         self.load = hardware.OtherLoad().__enter__()
@@ -53,8 +117,6 @@ class Threads:
 
     def __exit__(self, *exc):
         self.load.__exit__(*exc)
-        if self.active and exc[0] is None:
-            self.set(self.load.cores, "during that epoch")
         return False
 
 

@@ -228,8 +228,9 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     setup = hardware.OtherLoad().__enter__()  # other processes' load, sampled while the run sets up (Threads)
     plan, speed = _plan(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, log, stack, start_overs)
     threads = Threads(plan.dev.type == "cpu" and not plan.world.distributed and not cfg.deterministic
-                      and not (speed and speed.threads) and not plan.pin.get("threads"), plan.say, since=setup)
+                      and not (speed and speed.threads) and not plan.pin.get("threads"), since=setup)
     chosen = _choose(plan, speed, tune, threads, progress)
+    threads.active = threads.active and not chosen.speed.threads  # tune's timing chose a count: it stands
     run, lr = _start(plan, chosen)
     watchers = [RateCheck(chosen.result, chosen.tried, plan.given, plan.train_pk, plan.pin, plan.n_train)
                 if chosen.result is not None and plan.world.is_main else None,

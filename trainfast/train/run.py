@@ -125,6 +125,7 @@ class Run:
     best_step: int = -1  # the step at which the best epoch ended
     best_ck: dict | None = None  # that epoch's checkpoint, where it is not yet written (SAVE_EVERY_S)
     first_steps: object | None = None  # adapt.FirstSteps: a short run's comparison on its first steps, until made
+    threads: object | None = None  # adapt.Threads: the thread count, timed on the run's steps (run_epochs sets it)
     began: float = 0.0  # when the epoch under way began (the time budget's clock; a re-tune moves it on)
 
     def plot(self, force: bool = False) -> None:
@@ -159,6 +160,8 @@ class Run:
                 self.watch.add(loss, out, y, state["step"])
                 if self.first_steps is not None and self.first_steps.after_step(self):
                     said, self.first_steps = self.first_steps.line, None
+                if self.threads is not None:
+                    self.threads.after_step(steps - loader.position, ready=self.first_steps is None)
             bar.update(1)
             if cfg.save_every and state["step"] % cfg.save_every == 0:
                 self.save(epoch)
@@ -170,8 +173,11 @@ class Run:
             ready = time.perf_counter()
         self.check(epoch)
         bar.close()
-        if said:
-            self.say(said)
+        for line in (said, self.threads.line if self.threads is not None else ""):
+            if line:
+                self.say(line)
+        if self.threads is not None:
+            self.threads.line = ""
         images = (steps - done_before) * loader.batch_size * self.world.size
         row = _epoch_row(epoch, state["partial"], self.sched, time.perf_counter() - started, images, self.world)
         return {**row, "waited": waited}  # seconds the steps waited for batches (not a metrics.csv column)
@@ -365,6 +371,7 @@ def run_epochs(run: Run, threads, watchers: list[Watcher], progress: bool) -> st
     world, run_dir, say = run.world, run.run_dir, run.say
     interrupts = Interrupts(True, world, agree_every=1 if run.dev.type == "cpu" else READ_EVERY["cuda"])
     stopped, epoch = "finished", run.state["epoch"]
+    run.threads = threads
     lost = starting_over = False  # another process of the run died; this attempt gives way to another
     try:
         with interrupts:

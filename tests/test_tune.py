@@ -622,3 +622,18 @@ def test_a_peaks_entry_that_does_not_validate_is_measured_again(tmp_path, monkey
         "matmul_flops": value, "copy_bytes": 1e10, "other_cores": 0.0}}))
     p = hardware.peaks(cpu)
     assert p["matmul_flops"] == {"float32": 1e11} and not p["cached"]
+
+
+def test_tune_result_html_keeps_its_columns_in_a_monospace_unwrapped_block():
+    """Issue 49.5: in a notebook the table rendered in a proportional font, wrapped; its
+    columns did not line up."""
+    import html
+    import re
+
+    from trainfast.tuning.result import Trial, TuneResult
+    best = Speed("bf16", True, batch_size=64)
+    r = TuneResult(best, [Trial(best, 1000.0, 1.0), Trial(Speed("fp32", batch_size=64), 700.0, 1.0)])
+    page = r._repr_html_()
+    style = re.match(r"<pre style='([^']*)'>", page).group(1)
+    assert "font-family:monospace" in style and "white-space:pre;" in style and "pre-wrap" not in style
+    assert html.unescape(page[page.index(">") + 1: -len("</pre>")]) == repr(r)

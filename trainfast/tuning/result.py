@@ -74,7 +74,9 @@ class TuneResult:
 
     def _repr_html_(self) -> str:
         import html
-        return f"<pre style='white-space:pre-wrap'>{html.escape(repr(self))}</pre>"
+        # monospace and unwrapped, so the columns line up whatever the notebook's CSS; wide tables scroll
+        return (f"<pre style='font-family:monospace;white-space:pre;overflow-x:auto'>"
+                f"{html.escape(repr(self))}</pre>")
 
     def table(self) -> str:
         timed: dict[str, list[Trial]] = {}  # a setting timed several times shows once, at its median

@@ -463,7 +463,7 @@ def test_a_script_that_swallows_the_stop_still_ends_with_a_report(tmp_path):
     import time
     script = _script(tmp_path, STUBBORN)
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "trainfast", "doctor", "--steps", "5", "--seconds", "2", "--", "python",
+    p = subprocess.run([sys.executable, "-m", "trainfast", "doctor", "--steps", "5", "--seconds", "4", "--", "python",
                         str(script)], capture_output=True, text=True, timeout=120)
     assert time.perf_counter() - t < 60
     assert p.returncode == 1 and p.stdout.count("VERDICT") == 1, (p.returncode, p.stdout[-1500:], p.stderr[-500:])

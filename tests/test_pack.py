@@ -222,14 +222,15 @@ def test_a_worker_holds_its_chunk_once_not_a_float_copy(tmp_path):
     import tracemalloc
 
     from trainfast.config import PackConfig
+    from trainfast.data import chunks
     from trainfast.data import pack as pack_mod
 
     images = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)
     src = trainfast.data.sources.from_arrays(images, np.arange(8) % 2)
     cfg = pack_mod._checked(PackConfig(size=(256, 256), encoding="raw"), src)
-    task = pack_mod._task(src, 0, np.arange(8), cfg, tmp_path)
+    task = chunks.chunk_task(src, 0, np.arange(8), cfg, tmp_path)
     tracemalloc.start()
-    result = pack_mod._build_chunk(task)
+    result = chunks.build_chunk(task)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 3 * images.nbytes, f"peak {peak / 1e6:.1f} MB for a {images.nbytes / 1e6:.1f} MB chunk"
@@ -311,9 +312,9 @@ def test_two_pack_commands_at_once(image_folder, tmp_path):
 def test_a_full_disk_is_one_line_and_a_rerun_resumes(image_folder, tmp_path, monkeypatch):
     import errno
 
-    from trainfast.data import pack as pack_mod
+    from trainfast.data import chunks
 
-    real = pack_mod._save_npy_atomic
+    real = chunks.save_npy_atomic
     calls = []
 
     def fills_up(path, array):
@@ -321,12 +322,12 @@ def test_a_full_disk_is_one_line_and_a_rerun_resumes(image_folder, tmp_path, mon
         if len(calls) == 2:  # the second chunk finds the disk full
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, array)
-    monkeypatch.setattr(pack_mod, "_save_npy_atomic", fills_up)
+    monkeypatch.setattr(chunks, "save_npy_atomic", fills_up)
     out = tmp_path / "p"
     with pytest.raises(TrainfastError, match=r"no space left on the device .* rerun the same command"):
         trainfast.pack(image_folder, out, size=(16, 16), chunk=8, workers=1, progress=False)
     assert not out.exists()
-    monkeypatch.setattr(pack_mod, "_save_npy_atomic", real)
+    monkeypatch.setattr(chunks, "save_npy_atomic", real)
     monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
         OSError(errno.ENOSPC, "No space left on device")), raising=False)
     with pytest.raises(TrainfastError, match=r"images.npy: no space left on the device"):  # assembling, not SIGBUS
@@ -410,14 +411,14 @@ def test_files_that_are_not_files_are_skipped_unread(tmp_path):
     /dev/zero (endless), a file larger than any image could be (a 2 GB sparse file was read
     whole): each skipped with its reason before a byte is read; links out of the source are
     not followed."""
-    from trainfast.data import pack as pack_mod
+    from trainfast.data import chunks
     from trainfast.data.decode import DecodeError
 
     root = write_images(tmp_path / "photos", per_class=3)
     os.mkfifo(root / "cat" / "pipe.png")
     os.symlink("/dev/zero", root / "dog" / "zero.png")
     with open(root / "dog" / "huge.jpg", "wb") as f:
-        f.truncate(pack_mod.MAX_INPUT_BYTES + 1)  # sparse: no disk used
+        f.truncate(chunks.MAX_INPUT_BYTES + 1)  # sparse: no disk used
     os.symlink(root / "cat" / "000.jpg", root / "dog" / "inside.jpg")  # a link within the source is fine
     pk = trainfast.pack(root, tmp_path / "out", size=(16, 16), progress=False)
     reasons = {s["input"]: s["reason"] for s in json.loads((tmp_path / "out" / "skipped.json").read_text())}
@@ -425,7 +426,7 @@ def test_files_that_are_not_files_are_skipped_unread(tmp_path):
     assert "FIFO" in reasons["cat/pipe.png"] and "outside the source" in reasons["dog/zero.png"]
     assert "more than any image" in reasons["dog/huge.jpg"]
     with pytest.raises(DecodeError, match="it is a device"):
-        pack_mod._read("/dev/zero")  # named directly (in a CSV, say): refused by what it is
+        chunks.read_input("/dev/zero")  # named directly (in a CSV, say): refused by what it is
 
 
 def test_a_class_folder_linking_out_of_the_source_is_refused(tmp_path):
@@ -465,11 +466,11 @@ def test_a_script_without_a_main_guard_under_spawn_is_told_why(image_folder, tmp
 def test_a_short_write_without_errno_is_a_full_disk_too(image_folder, tmp_path, monkeypatch):
     """numpy reports a write the disk cut short as OSError("N requested and M written") with no
     errno; it used to escape the full-disk handler as a traceback."""
-    from trainfast.data import pack as pack_mod
+    from trainfast.data import chunks
 
     def short(path, array):
         raise OSError(f"{array.nbytes} requested and 4096 written")
-    monkeypatch.setattr(pack_mod, "_save_npy_atomic", short)
+    monkeypatch.setattr(chunks, "save_npy_atomic", short)
     with pytest.raises(TrainfastError, match=r"no space left on the device .* rerun the same command"):
         trainfast.pack(image_folder, tmp_path / "p", size=(16, 16), chunk=8, workers=1, progress=False)
 

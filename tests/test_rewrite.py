@@ -150,3 +150,14 @@ def test_keep_mask_values_in_every_float_dtype():
         m = rewrite.keep_mask(torch.ones(4096, dtype=dtype), 0.25)
         assert m.dtype == dtype
         assert set(m.unique().tolist()) == {0.0, torch.tensor(1 / 0.75, dtype=dtype).item()}
+
+
+def test_cheap_dropout_traces_whole_under_torch_compile():
+    """Issue 49.5: 1/(1-p)'s bit pattern was worked out with .item() in the step: a graph break
+    in every compiled model with dropout, and torch._dynamo's warning from trainfast's code."""
+    import torch._dynamo
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), rewrite.CheapDropout(0.3)).train()
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            assert torch._dynamo.explain(m)(torch.randn(4, 8)).graph_break_count == 0

@@ -167,7 +167,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):  # another user's process, or a platform without the check
+    except OSError:  # another user's process (EPERM), or a platform without the check
         return True
     return True
 

@@ -6,14 +6,14 @@ NOTE: imports nothing of ours; every room may use it. A rate of 0.8 images/s pri
 below 100 and whole numbers with thousands separators above.
 """
 
+import shlex
+
 
 def shell_arg(text, path: bool = False) -> str:
     """One argument of a command printed for pasting: shell-quoted (a folder named `photos $(id)`
     stays one argument and runs nothing); a name with a newline or another control character
     as bash/zsh/POSIX-2024 `$'...'` (plain quotes would hold the newline, and an indented report
     puts spaces inside them); a path that begins with `-` as `./-name` (an option otherwise)."""
-    import shlex
-
     text = str(text)
     if path and text.startswith("-"):
         text = "./" + text

@@ -175,8 +175,9 @@ class Loader:
         self.subset = None if subset is None else _subset(subset, len(self.pack))
         for arg, value, least in (("batch_size", batch_size, 1), ("workers", workers, 1), ("prefetch", prefetch, 1),
                                   ("rank", rank, 0), ("world_size", world_size, 1), ("seed", seed, 0)):
-            if (value is not None or arg in ("batch_size", "rank", "world_size", "seed")) and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
-                                      or value < least):
+            if value is None and arg in ("workers", "prefetch"):  # None: the default
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
                 raise TrainfastError(f"Loader: {arg} must be a whole number ≥ {least}, not {value!r}")
         if not (world_size >= 1 and 0 <= rank < world_size):
             raise TrainfastError(f"rank {rank} is not in [0, world_size={world_size})")

@@ -66,8 +66,8 @@ class Source:
     def pack_command(self, out: str, size: str) -> str:
         """The `trainfast pack` command that reads this source as it was read here, shell-quoted
         for pasting (a folder named `photos $(id)` stays one argument)."""
-        return (f"trainfast pack {shell_arg(self.origin, path=True)} {shell_arg(out, path=True)} --size {shell_arg(size)}"
-                + (f" {self.pack_flags}" if self.pack_flags else ""))
+        return (f"trainfast pack {shell_arg(self.origin, path=True)} {shell_arg(out, path=True)} "
+                f"--size {shell_arg(size)}" + (f" {self.pack_flags}" if self.pack_flags else ""))
 
 
 def _flag(option: str, value: str) -> str:

@@ -55,7 +55,7 @@ class Threads:
         self.times: dict[int, list[float]] = {}
         self.began_with, self.in_lap, self.last = self.cap, 0, 0.0
         self.since_trial: int | None = None  # steps since the last trial began; None before the first
-        self.trials: list[dict] = []  # what each trial timed and kept, for the log (run-to-run comparisons)
+        self.trials = 0  # trials made; the first says what it kept even where nothing changed
         self.line = ""  # what the last trial found, said after the epoch's progress bar
 
     @property
@@ -105,10 +105,10 @@ class Threads:
         keep = fewer if med[more] > self.GAIN * med[fewer] else more
         torch.set_num_threads(keep)
         timed = f"{units.ms(med[fewer])} ms a step with {fewer}, {units.ms(med[more])} ms with {more}"
-        self.trials.append({"kept": keep, "ms": {n: round(1e3 * m, 2) for n, m in med.items()}})
+        self.trials += 1
         if keep != self.began_with:
             self.line = Detail(f"threads {self.began_with} → {keep}: timed on the run's own steps ({timed})")
-        elif len(self.trials) == 1:
+        elif self.trials == 1:
             self.line = Detail(f"threads: {keep}, timed on the run's own steps ({timed})")
 
     def __enter__(self):

@@ -585,6 +585,25 @@ def test_fewer_threads_are_kept_only_where_clearly_faster(digits_packs, tmp_path
     assert any(m.startswith("threads: 2, timed" if kept == 2 else "threads 2 → 1: timed") for m in said), said
 
 
+def test_a_steady_pace_is_not_timed_again(digits_packs, tmp_path, monkeypatch):
+    """All threads kept and the steps' pace steady: one trial for the run (a trial every 64 steps
+    cost 7% of a quiet CIFAR CNN run); fewer kept: timed again, the neighbour may have left."""
+    from trainfast.train import adapt
+
+    train, _ = digits_packs
+    monkeypatch.setattr(adapt.Threads, "RECHECK", 1)
+    begun = []
+    real = adapt.Threads._begin
+    monkeypatch.setattr(adapt.Threads, "_begin", lambda self, t: begun.append(t) or real(self, t))
+    torch.set_num_threads(2)
+    for costs, trials in (({2: 0.05, 1: 0.09}, 1), ({2: 0.1, 1: 0.05}, 4)):
+        begun.clear()
+        step_clock(monkeypatch, costs)
+        fit(_linear(), train, epochs=4, speed=Speed(batch_size=64), device="cpu", run_dir=tmp_path / f"r{trials}",
+            progress=False, log=lambda *a: None)
+        assert len(begun) == trials, (costs, len(begun))
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
 def test_a_low_priority_neighbour_does_not_take_a_thread(digits_packs, tmp_path):
     """Issue 51.2: a spinning process at nice 19 keeps a core busy and yields it at once; the

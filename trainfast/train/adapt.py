@@ -4,6 +4,7 @@ and the time budget (TrainConfig.minutes) that shortens the plan."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import statistics
 import time
@@ -32,8 +33,8 @@ class Threads:
     began with, or those again), alternated ROUNDS times within an epoch, each lap's first
     SETTLE steps untimed (the thread pool settles; every step trains); fewer threads are kept
     only where GAIN× faster, and a first round ×CLEAR apart settles it. The first trial starts
-    once the first steps' own comparison (FirstSteps) is done; another once RECHECK× a trial's
-    steps have gone by: other programs come and go.
+    once the first steps' own comparison (FirstSteps) is done; later ones where other programs
+    may have come or gone (_due).
 
     Other processes' CPU share does not say whether they would yield: a low-priority neighbour
     keeps a core busy and gives it up at once, and reading its share cost fit a thread and
@@ -44,6 +45,7 @@ class Threads:
     fit puts those back at its end."""
 
     SETTLE, LAP, ROUNDS, GAIN, CLEAR, RECHECK = 1, 3, 2, 1.08, 1.5, 4
+    DRIFT, RECENT = 1.25, 7
 
     def __init__(self, active: bool, since: hardware.OtherLoad | None = None):
         self.cap = torch.get_num_threads()
@@ -53,8 +55,10 @@ class Threads:
         self.at_start = hardware.other_cores_now(since=since) if active else None
         self.laps: list[int] = []  # the thread count of each lap still to run in this trial
         self.times: dict[int, list[float]] = {}
-        self.began_with, self.in_lap, self.last = self.cap, 0, 0.0
+        self.began_with, self.in_lap, self.last = self.cap, 0, None
         self.since_trial: int | None = None  # steps since the last trial began; None before the first
+        self.pace = 0.0  # seconds a step at the kept count, as the last trial timed it
+        self.recent: collections.deque = collections.deque(maxlen=self.RECENT)  # the last steps' seconds
         self.trials = 0  # trials made; the first says what it kept even where nothing changed
         self.line = ""  # what the last trial found, said after the epoch's progress bar
 
@@ -65,19 +69,42 @@ class Threads:
     def after_step(self, steps_left: int, ready: bool) -> None:
         """After each training step: the trial's clock and switches; a new trial where one is due
         and fits in the `steps_left` of this epoch (`ready`: the first steps' comparison is done)."""
+        if not self.active:
+            return
+        t = _now()
         if self.laps:
-            self._timed(_now())
-        elif self.active and ready and steps_left >= self.trial_steps and \
-                (self.since_trial is None or self.since_trial >= self.RECHECK * self.trial_steps):
-            self._begin()
-        elif self.since_trial is not None:
+            self._timed(t)
+            return
+        if self.last is not None:
+            self.recent.append(t - self.last)
+        self.last = t
+        if self.since_trial is not None:
             self.since_trial += 1
+        if ready and steps_left >= self.trial_steps and self._due():
+            self._begin(t)
 
-    def _begin(self) -> None:
+    def _due(self) -> bool:
+        """The first trial; then, once RECHECK trials' worth of steps have gone by: always where
+        fewer threads were kept (the neighbour may have left, which their pace would not show),
+        and where all are kept, only where the steps' pace moved DRIFT× from what the last trial
+        timed (a neighbour came). A quiet machine pays for one trial (on the CIFAR CNN here a
+        trial every 64 steps cost 7% of a quiet run)."""
+        if self.since_trial is None:
+            return True
+        if self.since_trial < self.RECHECK * self.trial_steps:
+            return False
+        if torch.get_num_threads() < self.cap:
+            return True
+        if len(self.recent) < self.RECENT:
+            return False
+        pace = statistics.median(self.recent)
+        return not self.pace / self.DRIFT <= pace <= self.pace * self.DRIFT
+
+    def _begin(self, t: float) -> None:
         now = torch.get_num_threads()
         other = max(1, self.cap // 2) if now == self.cap else self.cap
         self.laps, self.times = [now, other] * self.ROUNDS, {now: [], other: []}
-        self.began_with, self.in_lap, self.since_trial, self.last = now, 0, 0, _now()
+        self.began_with, self.in_lap, self.since_trial, self.last = now, 0, 0, t
 
     def _timed(self, t: float) -> None:
         n = self.laps[0]
@@ -96,6 +123,7 @@ class Threads:
             torch.set_num_threads(self.laps[0])
         else:
             self._keep(med)
+            self.recent.clear()
 
     def _medians(self) -> dict[int, float]:
         return {n: statistics.median(ts) for n, ts in self.times.items() if ts}
@@ -104,6 +132,7 @@ class Threads:
         fewer, more = min(med), max(med)
         keep = fewer if med[more] > self.GAIN * med[fewer] else more
         torch.set_num_threads(keep)
+        self.pace = med[keep]
         timed = f"{units.ms(med[fewer])} ms a step with {fewer}, {units.ms(med[more])} ms with {more}"
         self.trials += 1
         if keep != self.began_with:

@@ -30,6 +30,33 @@ def test_pack_dataset_yields_the_loaders_batches_in_the_loaders_order(digits_pac
     assert len(PackDataset(train, batch_size=50, drop_last=True)) == len(train) // 50
 
 
+def test_pack_dataset_gives_one_hot_labels_and_0_to_255_pixels_on_request(digits_packs, tmp_path):
+    """The forms a user's Sequence often gave (to_categorical labels, pixels as bytes), so that
+    a script's loss and Rescaling stay as they are."""
+    from trainfast.errors import TrainfastError
+    from trainfast.keras import PackDataset
+
+    train, _ = digits_packs
+    x, y = PackDataset(train, batch_size=8)[0]
+    hx, hy = PackDataset(train, batch_size=8, one_hot=True, scale=255)[0]
+    assert hy.shape == (8, 10) and hy.dtype == np.float32 and np.array_equal(hy.argmax(1), y)
+    assert np.allclose(hx, x * 255) and hx.max() > 1.5
+    again = PackDataset(train, batch_size=8, one_hot=True, scale=255)
+    assert np.array_equal(again[0][0], again[0][0])  # scaled once per call: the batch is not a shared buffer
+
+    import trainfast
+    from trainfast.datasets.plates import make_plates
+    make_plates(tmp_path / "src", 20, 0, progress=False)
+    plates = trainfast.pack(tmp_path / "src" / "labels.csv", tmp_path / "p", size=(16, 32), label_column="plate",
+                            progress=False)
+    _, seq = PackDataset(plates, batch_size=4, one_hot=True)[0]
+    assert seq.shape == (4, 8, 36) and np.all(seq.sum(-1) == 1)
+    for bad, message in (({"scale": 0}, "scale=0: give a positive number"),
+                         ({"one_hot": "yes"}, "one_hot='yes': give True or False")):
+        with pytest.raises(TrainfastError, match=message):
+            PackDataset(train, **bad)
+
+
 def test_a_keras_model_trains_on_a_pack_and_the_speed_doctor_reports(digits_packs):
     from trainfast.keras import PackDataset, SpeedDoctor
 

@@ -24,11 +24,12 @@ from skimage.transform import resize
 
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 root = sys.argv[1]
-rows = [r[:2] for r in csv.reader(open(os.path.join(root, "labels.csv")))][1:]  # path, plate
+rows = list(csv.reader(open(os.path.join(root, "labels.csv"))))[1:]  # path, plate, font
 
 
-class Plates(keras.utils.Sequence):
-    """What the license-plate story's user wrote: decode and resize every image of every batch."""
+class PlateGenerator(keras.utils.Sequence):
+    """What the license-plate story's user wrote: decode and resize every image of every batch,
+    pixels 0-255, one-hot labels (batch, 8, 36)."""
 
     def __init__(self, rows, batch_size=16):
         super().__init__()
@@ -39,16 +40,18 @@ class Plates(keras.utils.Sequence):
 
     def __getitem__(self, i):
         chunk = self.rows[i * self.batch_size:(i + 1) * self.batch_size]
-        x = np.stack([resize(imread(os.path.join(root, p)), (64, 128)) for p, _ in chunk]).astype("float32")
-        y = np.array([[ALPHABET.index(c) for c in plate] for _, plate in chunk])
-        return x, y
+        x = np.stack([resize(imread(os.path.join(root, r[0])), (64, 128), preserve_range=True) for r in chunk])
+        y = keras.utils.to_categorical([[ALPHABET.index(c) for c in r[1]] for r in chunk], 36)
+        return x.astype("float32"), y
 
 
-model = keras.Sequential([keras.Input((64, 128, 3)), layers.Conv2D(8, 3, activation="relu"),
-                          layers.MaxPooling2D(4), layers.Flatten(), layers.Dense(8 * 36), layers.Reshape((8, 36))])
-model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-model.fit(Plates(rows), epochs=5, verbose=0)
-open(sys.argv[2], "w").write("finished")
+train_gen = PlateGenerator(rows)
+model = keras.Sequential([keras.Input((64, 128, 3)), layers.Rescaling(1 / 255), layers.Conv2D(8, 3, activation="relu"),
+                          layers.MaxPooling2D(4), layers.Flatten(), layers.Dense(8 * 36), layers.Reshape((8, 36)),
+                          layers.Softmax()])
+model.compile(optimizer="adam", loss="categorical_crossentropy")
+history = model.fit(train_gen, epochs=int(sys.argv[3]) if len(sys.argv) > 3 else 5, verbose=0)
+open(sys.argv[2], "w").write(str(history.history["loss"][-1]))
 '''
 
 TORCH_IN_MEMORY = '''
@@ -93,7 +96,7 @@ def _script(tmp_path, text, name="train.py"):
     return p
 
 
-def test_keras_sequence_with_skimage_is_input_bound_and_the_culprit_is_named(tmp_path, plates_dir):
+def test_keras_sequence_with_skimage_is_input_bound_and_the_culprit_is_named(tmp_path, plates_dir, monkeypatch):
     pytest.importorskip("keras")
     script = _script(tmp_path, KERAS_SEQUENCE)
     marker = tmp_path / "finished.txt"
@@ -109,33 +112,148 @@ def test_keras_sequence_with_skimage_is_input_bound_and_the_culprit_is_named(tmp
     assert r.model["params"] == sum(l["params"] for l in r.layers) > 0
     assert r.data_source["kind"].startswith("keras PyDataset")
 
-    # the recipe: the exact pack command for the CSV the script read, the line to change, measured
+    # the recipe: the exact pack command for the CSV the script read, with the column that fits the
+    # script's labels (8 characters of 36, not the font's 6 classes), the line to change, measured
     rec = r.recommendations[0]
     assert rec.title.startswith("Pack the images once") and rec.measured and rec.speedup > 1.2, rec
     command = rec.action.splitlines()[0]
     out = f"{plates_dir.name}.pack"  # named after the CSV's folder
     assert command == f"trainfast pack {plates_dir / 'labels.csv'} {out} --size 64x128 --label-column plate"
-    assert f"data = PackDataset('{out}', batch_size=16)   # was: Plates(...)" in rec.action
+    line = script.read_text().splitlines().index("train_gen = PlateGenerator(rows)") + 1
+    assert f"train_gen = PackDataset('{out}', batch_size=16, one_hot=True, scale=255)   # in place of " \
+           f"{script}:{line}: train_gen = PlateGenerator(rows)" in rec.action
     assert any(f.startswith(f"the images the script reads (under {plates_dir / 'images'})") for f in r.findings)
     assert "What to do, ranked by expected gain" in r.text() and "<ol>" in r.html()
 
-    # pasted as printed (the pack lands in the current folder), then the one-line change: no recipe,
-    # no storage line for the folder the script no longer opens
-    import os
-    import shlex
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        assert main(shlex.split(command)[1:]) == 0
-    finally:
-        os.chdir(cwd)
-    switched = _script(tmp_path, KERAS_SEQUENCE.replace(
-        "model.fit(Plates(rows)", f"from trainfast.keras import PackDataset\nmodel.fit(PackDataset("
-        f"{str(tmp_path / out)!r}, batch_size=16)"), name="switched.py")
+    # pasted as printed, it trains; the doctor then sees the pack reader: no recipe, no storage line
+    # for the folder the script no longer opens
+    switched = _paste(script, rec.action, tmp_path)
+    loss = _run(switched, [str(plates_dir), str(marker), "1"], tmp_path)
+    assert np.isfinite(loss)
+    monkeypatch.chdir(tmp_path)  # where the pack is
     r2 = doctor_script(["python", str(switched), str(plates_dir), str(marker)], steps=4, fixes=False,
                        log=lambda m: None)
     assert r2.data_source.get("reads") == "a trainfast pack" and len(r2.timed) == 4, r2.stopped
     assert not r2.recommendations and not any("the images the script reads" in f for f in r2.findings)
+
+
+KERAS_CSV_CLASSES = '''
+import csv, os, sys
+import numpy as np
+import keras
+from keras import layers
+from PIL import Image
+
+listing = sys.argv[1]
+rows = list(csv.DictReader(open(listing)))  # file, animal, photographer
+names = sorted({r["animal"] for r in rows})
+classes = len(names)
+
+
+def load(r, size):
+    return np.asarray(Image.open(os.path.join(os.path.dirname(listing), r["file"])).convert("RGB").resize(size))
+
+
+class Photos(keras.utils.PyDataset):
+    def __init__(self, rows, batch_size):
+        super().__init__()
+        self.rows, self.batch_size = rows, batch_size
+
+    def __len__(self):
+        return len(self.rows) // self.batch_size
+
+    def __getitem__(self, i):
+        chunk = self.rows[i * self.batch_size:(i + 1) * self.batch_size]
+        x = np.stack([load(r, (40, 32)) for r in chunk]).astype("float32") / 255
+        time_sink = sum(load(r, (400, 320)).sum() for r in chunk for _ in range(3))
+        return x, keras.utils.to_categorical([names.index(r["animal"]) for r in chunk], classes)
+
+
+photos = Photos(
+    rows,
+    batch_size=4)
+model = keras.Sequential([keras.Input((32, 40, 3)), layers.Conv2D(4, 3, activation="relu"),
+                          layers.GlobalAveragePooling2D(), layers.Dense(classes, activation="softmax")])
+model.compile(optimizer="adam", loss="categorical_crossentropy")
+history = model.fit(photos, epochs=3, verbose=0)
+open(sys.argv[2], "w").write(str(history.history["loss"][-1]))
+'''
+
+
+def test_a_keras_script_reading_a_csv_of_classes_gets_a_recipe_that_pastes(tmp_path, image_folder, monkeypatch):
+    """Labels one-hot over 2 classes, pixels 0-1, the data made over three lines: the column whose
+    values fit (not the photographer's 4 names), one_hot=True, and the three lines replaced."""
+    pytest.importorskip("keras")
+    import trainfast.keras.doctor as keras_doctor
+    monkeypatch.setattr(keras_doctor, "KERAS_TUNE_S", 3.0)
+    files = sorted(image_folder.rglob("*.jpg"))
+    listing = tmp_path / "photos.csv"
+    listing.write_text("file,animal,photographer\n" + "".join(
+        f"{f.relative_to(tmp_path)},{f.parent.name},{'abcd'[i % 4]}\n" for i, f in enumerate(files)))
+    script = _script(tmp_path, KERAS_CSV_CLASSES)
+    r = doctor_script(["python", str(script), str(listing), str(tmp_path / "loss")], steps=2, log=lambda m: None)
+    rec = next(x for x in r.recommendations if x.title.startswith("Pack the images once"))
+    assert rec.measured and rec.speedup > 1, rec
+    assert rec.action.splitlines()[0] == f"trainfast pack {listing} {tmp_path.name}.pack --size 32x40 " \
+                                         "--path-column file --label-column animal"
+    first = script.read_text().splitlines().index("photos = Photos(") + 1
+    assert f"photos = PackDataset('{tmp_path.name}.pack', batch_size=4, one_hot=True)   # in place of " \
+           f"{script}:{first}-{first + 2}: photos = Photos( rows, batch_size=4)" in rec.action
+    assert np.isfinite(_run(_paste(script, rec.action, tmp_path), [str(listing), str(tmp_path / "loss")], tmp_path))
+
+    # labels no column holds (here 3 classes one-hot): refused, with the columns named
+    script3 = _script(tmp_path, KERAS_CSV_CLASSES.replace("classes = len(names)", "classes = 3"), name="three.py")
+    r = doctor_script(["python", str(script3), str(listing), str(tmp_path / "loss")], steps=2, fixes=False,
+                      log=lambda m: None)
+    assert not any(x.title.startswith("Pack the images once") for x in r.recommendations)
+    assert any("none of its other columns ('animal', 'photographer') holds labels like the script's "
+               "(one class per image, one-hot over 3" in f for f in r.findings), r.findings
+
+
+def _paste(script: Path, action: str, where: Path) -> Path:
+    """A recipe as a user follows it: the pack command run in `where`, the code lines put in a copy
+    of the script where the recipe says (the lines it replaces, or before the statement that uses
+    the data, with the name written in place of the expression). Returns the copy."""
+    import re
+    lines = action.splitlines()
+    cwd = os.getcwd()
+    os.chdir(where)
+    try:
+        assert main(shlex.split(lines[0])[1:]) == 0
+    finally:
+        os.chdir(cwd)
+    code = [line.split("   # ")[0] for line in lines[2:] if not line.startswith("#")]
+    text = script.read_text().splitlines()
+    named = re.search(r"# in place of .*:(\d+)(?:-(\d+))?: ", action)
+    if named:
+        first, last = int(named[1]), int(named[2] or named[1])
+        indent = text[first - 1][:len(text[first - 1]) - len(text[first - 1].lstrip())]
+        text[first - 1:last] = [indent + c for c in code]
+    else:
+        handed = re.search(r"# then write data in place of `(.+)` at .*:(\d+)$", action, re.MULTILINE)
+        line = int(handed[2])
+        text[line - 1] = text[line - 1].replace(handed[1], "data")
+        top = max(i for i in range(line) if text[i] and not text[i][0].isspace())  # the statement holding it
+        text[top:top] = code
+    copy = script.with_name("pasted_" + script.name)
+    copy.write_text("\n".join(text) + "\n")
+    return copy
+
+
+def _run(script: Path, args: list[str], cwd: Path) -> float:
+    """Run a script in this process, as `python script args` from `cwd`; its last loss, as it wrote
+    it in the file named by its second argument."""
+    import runpy
+    import sys
+    old = os.getcwd(), sys.argv
+    os.chdir(cwd)
+    sys.argv = [str(script), *args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        os.chdir(old[0])
+        sys.argv = old[1]
+    return float(Path(args[1]).read_text())
 
 
 def test_pytorch_in_memory_is_not_input_bound(tmp_path):
@@ -313,9 +431,12 @@ net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.F
 opt = torch.optim.SGD(net.parameters(), lr=0.1)
 for epoch in range(20):
     for x, y in torch.utils.data.DataLoader(Photos(), batch_size=4, shuffle=False):
-        nn.functional.cross_entropy(net(x), y).backward()
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
         opt.step()
         opt.zero_grad()
+if len(sys.argv) > 2:
+    open(sys.argv[2], "w").write(str(loss.item()))
 '''
 
 
@@ -332,6 +453,11 @@ def test_a_pytorch_script_reading_class_folders_gets_the_folder_pack_command(tmp
                                                        "--size", "32x40"]
     assert "Loader('photos.pack', batch_size=4" in rec.action and "2 class folders" not in rec.evidence
     assert f"the 24 images in the class folders of {image_folder}" in rec.evidence
+    # made in the loop itself: the recipe names the expression to replace, and pasted, it trains
+    assert "# then write data in place of `torch.utils.data.DataLoader(Photos(), batch_size=4, shuffle=False)` " \
+           f"at {script}:" in rec.action
+    assert np.isfinite(_run(_paste(script, rec.action, tmp_path), [str(image_folder), str(tmp_path / "loss")],
+                            tmp_path))
 
 
 def _probe_with(files, csvs=(), batch=None):
@@ -362,8 +488,13 @@ def test_the_recipe_finds_the_csv_that_lists_the_images_and_guesses_its_label_co
                              "--label-column kind"
     assert not recipe.notes  # 'kind' repeats 2 values, 'extra' holds one: the labels decide
     assert recipe.source.classes == ["cat", "dog"] and len(recipe.source) == len(files)
-    seq_batch = (class_batch[0], np.zeros((2, 8), np.int64))  # 8-character labels: no column fits, a guess
+    seq_batch = (class_batch[0], np.zeros((2, 8), np.int64))  # 8-character labels: no column fits, refused
     recipe, why = _found(_probe_with(files[:6], [listed], seq_batch))
+    assert recipe is None and why == f"{listed} lists the images the script read, but none of its other columns " \
+        "('kind', 'extra') holds labels like the script's (sequences of 8, as indices): pack it with --label-column " \
+        "naming the column that does"
+    unknown = (class_batch[0], np.array([0.5, 2.25]))  # not labels trainfast knows (a regression target): a guess
+    recipe, why = _found(_probe_with(files[:6], [listed], unknown))
     assert "--label-column kind" in recipe.command and "'kind' is a guess among 'kind', 'extra'" in recipe.notes[0]
 
     flat = tmp_path / "flat"
@@ -378,8 +509,9 @@ def test_the_recipe_finds_the_csv_that_lists_the_images_and_guesses_its_label_co
 
 
 def test_the_script_report_warns_on_a_busy_machine_and_charts_its_layers(tmp_path, monkeypatch):
-    from trainfast import hardware
     from conftest import other_load
+
+    from trainfast import hardware
     other_load(monkeypatch, 1.0)
     script = _script(tmp_path, TORCH_IN_MEMORY)
     r = doctor_script(["python", str(script)], steps=3, log=lambda m: None)
@@ -424,7 +556,8 @@ def test_image_dataset_from_directory_on_tensorflow_gets_the_folder_recipe(tmp_p
     from trainfast.diagnose.verdict import MODERATELY_INPUT_BOUND
     if r["data_share"] >= MODERATELY_INPUT_BOUND:  # 14% here: a 5-image step of a tiny model is 2.5 ms
         assert recipe and recipe[0]["action"].startswith(f"trainfast pack {image_folder} photos.pack --size 64x64")
-        assert "image_dataset_from_directory" in recipe[0]["action"] and "Rescaling" in recipe[0]["action"]
+        assert "train = PackDataset('photos.pack', batch_size=5, scale=255)   # in place of " in recipe[0]["action"]
+        assert ": train = keras.utils.image_dataset_from_directory(" in recipe[0]["action"]
 
 
 # The doctor's time limit is one alarm: landing in the except clause or on the loop's jump back (a

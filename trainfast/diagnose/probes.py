@@ -83,6 +83,7 @@ class _Probe:
         self.from_directory: dict = {}  # keras.utils.image_dataset_from_directory's arguments, when called
         self.tf_dataset = None  # a tf.data.Dataset given to Model.fit (timed on its own after the run)
         self.first_batch = None  # the first batch the data source gave (its shapes: the recipe's size and labels)
+        self.data_origin = None  # recipe.Origin: where the script made its data source, and the name it holds
 
     def note_file(self, path: str):
         """The script opened `path` for reading (an image or a CSV): what it reads, for the recipe."""
@@ -268,6 +269,7 @@ def _install_torch(probe: _Probe, undo: list):
         probe.data_source = {"kind": "torch DataLoader", "num_workers": self.num_workers,
                              "pin_memory": self.pin_memory, "batch_size": self.batch_size,
                              "dataset": type(self.dataset).__name__}
+        _note_origin(probe, self, sys._getframe(1))
         return _TimedIterator(original_iter(self), probe)
 
     tud.DataLoader.__iter__ = dataloader_iter
@@ -376,6 +378,7 @@ def _patch_keras(keras, probe: _Probe, undo: list):
         probe.keras_model = self
         callbacks = list(kwargs.pop("callbacks", None) or [])
         kwargs["callbacks"] = callbacks + [_Doctor()]
+        _note_origin(probe, x, sys._getframe(1))
         return original_fit(self, _wrap_keras_data(keras, x, probe), *args, **kwargs)
 
     Model.fit = fit
@@ -400,6 +403,18 @@ def _patch_keras(keras, probe: _Probe, undo: list):
 
         utils.image_dataset_from_directory = image_dataset_from_directory
         undo.append(lambda: setattr(utils, "image_dataset_from_directory", original_ifd))
+
+
+def _note_origin(probe: _Probe, data, frame):
+    """Where the script's own code handed its data over (the recipe's line to change)."""
+    if probe.data_origin is not None:
+        return
+    own = os.path.dirname(os.path.dirname(__file__))  # trainfast's own files
+    while frame is not None and (_is_library(frame.f_code.co_filename) or frame.f_code.co_filename.startswith(own)):
+        frame = frame.f_back
+    if frame is not None and not frame.f_code.co_filename.startswith("<"):
+        from trainfast.diagnose.recipe import origin_of
+        probe.data_origin = origin_of(data, frame)
 
 
 def _timed_getitem(cls, probe: _Probe):

@@ -29,6 +29,147 @@ LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "plate", "
 
 
 @dataclass
+class Labels:
+    """The form of the script's labels, read off its first batch: class indices (B,), one-hot
+    classes (B, K), sequences of indices (B, L) or one-hot sequences (B, L, K)."""
+
+    kind: str  # "class" or "sequence"
+    shape: tuple  # one example's
+    length: int = 0  # symbols per sequence
+    width: int = 0  # the one-hot width (classes, or the alphabet's size); 0 for indices
+    top: int = 0  # the largest class index seen (indices only)
+
+    def said(self) -> str:
+        what = f"sequences of {self.length}" if self.kind == "sequence" else "one class per image"
+        return f"{what}, " + (f"one-hot over {self.width} (shape {self.shape})" if self.width else "as indices")
+
+    def fits(self, values: list[str]) -> bool:
+        """Could a CSV column holding `values` be these labels?"""
+        if self.kind == "sequence":
+            right = [v for v in values if len(v) == self.length]
+            return len(right) >= 0.9 * len(values) and (not self.width or len(set("".join(right))) <= self.width)
+        distinct = len(set(values))
+        if self.width:  # one-hot: the model's width is the number of classes
+            return distinct == self.width
+        return max(2, self.top + 1) <= distinct <= len(values) // 2  # class labels repeat
+
+
+def labels_of(y) -> Labels | None:
+    """The form of a batch's labels, or None where it is none of the four (a regression target)."""
+    if y is None or y.ndim == 0 or y.shape[0] == 0 or y.dtype.kind not in "biuf":
+        return None
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    whole = bool(np.all(np.mod(y, 1) == 0)) and float(np.min(y)) >= 0
+    one_hot = y.ndim >= 2 and bool(np.isin(y, (0, 1)).all()) and bool(np.all(y.sum(-1) == 1))
+    if y.ndim == 1 and whole:
+        return Labels("class", (), top=int(np.max(y)))
+    if y.ndim == 2 and one_hot:
+        return Labels("class", y.shape[1:], width=int(y.shape[1]))
+    if y.ndim == 2 and whole:
+        return Labels("sequence", y.shape[1:], length=int(y.shape[1]))
+    if y.ndim == 3 and one_hot:
+        return Labels("sequence", y.shape[1:], length=int(y.shape[1]), width=int(y.shape[2]))
+    return None
+
+
+@dataclass
+class Origin:
+    """Where the script hands its data over: the file and line of that call, the name the data
+    has there (None when it is made in the call itself) and the assignment that made it."""
+
+    file: str
+    call_line: int
+    name: str | None
+    made: tuple[int, int] | None = None  # first and last line of `name = ...`
+    made_text: str = ""  # what it was: `name = ...`, on one line, shortened
+    handed_text: str = ""  # without a name: the expression handed over, as written
+
+    def where(self, lines: tuple[int, int] | None = None) -> str:
+        first, last = lines or (self.call_line, self.call_line)
+        return f"{_rel(self.file)}:{first}" + (f"-{last}" if last != first else "")
+
+    def assign(self, call: str, data_name: str) -> str:
+        """The line that makes `call` the script's data, in place of the old one."""
+        if self.made is not None:
+            return f"{self.name} = {call}   # in place of {self.where(self.made)}: {self.made_text}"
+        return f"data = {call}\n# then write data in place of `{self.handed_text or data_name}` at {self.where()}"
+
+
+def origin_of(data, frame) -> Origin:
+    """Origin of `data`, handed over in `frame` (the script's own code)."""
+    scope = {**frame.f_globals, **frame.f_locals}
+    names = [n for n, v in scope.items() if v is data and not n.startswith("_")]
+    origin = Origin(frame.f_code.co_filename, frame.f_lineno, names[0] if names else None)
+    parsed = _parse(origin.file)
+    if parsed is None:
+        return origin
+    if origin.name:
+        origin.made, origin.made_text = _assignment(*parsed, origin.name, origin.call_line, type(data).__name__)
+    if origin.made is None:
+        origin.handed_text = _handed(*parsed, origin.call_line)
+    return origin
+
+
+def _parse(path: str):
+    import ast
+
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+        return source, ast.parse(source)
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return None
+
+
+def _handed(source: str, tree, line: int) -> str:
+    """The expression handed over at `line`, as written: the first argument of a `.fit(...)` call,
+    or what a `for` loop iterates over; "" where it is neither or spans lines."""
+    import ast
+
+    for node in ast.walk(tree):
+        expr = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fit" \
+                and node.lineno <= line <= node.end_lineno:
+            expr = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "x"), None)
+        elif isinstance(node, ast.For) and node.lineno <= line <= node.iter.end_lineno:
+            expr = node.iter
+        if expr is not None and expr.lineno == expr.end_lineno:
+            return ast.get_source_segment(source, expr) or ""
+    return ""
+
+
+def _assignment(source: str, tree, name: str, before: int, maker: str = "") -> tuple[tuple[int, int] | None, str]:
+    """The last plain `name = ...` at or before line `before` in the same function (or module
+    level) — among several (if/else), the last that names `maker`, the data's type — as (first
+    line, last line) and its text; (None, "") where there is none."""
+    import ast
+
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    scope = min((n for n in ast.walk(tree) if isinstance(n, functions) and n.lineno <= before <= n.end_lineno),
+                key=lambda n: n.end_lineno - n.lineno, default=tree)
+    found = []
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, functions):
+                continue  # another scope
+            targets = child.targets if isinstance(child, ast.Assign) else \
+                [child.target] if isinstance(child, ast.AnnAssign) and child.value is not None else []
+            if len(targets) == 1 and isinstance(targets[0], ast.Name) and targets[0].id == name \
+                    and child.lineno <= before:
+                found.append(child)
+            visit(child)
+
+    visit(scope)
+    if not found:
+        return None, ""
+    naming = [n for n in found if maker and maker in (ast.get_source_segment(source, n.value) or "")]
+    found = max(naming or found, key=lambda n: n.lineno)
+    text = " ".join((ast.get_source_segment(source, found) or name).split())
+    return (found.lineno, found.end_lineno), (text if len(text) <= 70 else text[:67] + "...")
+
+
+@dataclass
 class Recipe:
     """The pack that replaces what the script reads, and how the script reads it instead."""
 
@@ -38,11 +179,24 @@ class Recipe:
     out: str  # the pack's suggested path
     reads: str  # what the script reads, in words ("the 120 images listed in plates/labels.csv")
     notes: list[str] = field(default_factory=list)
+    labels: Labels | None = None  # the form of the script's labels
+    scale: float = 1.0  # 255 where the script's pixels ran to 255
+    origin: Origin | None = None  # where the script hands its data over
 
     @property
     def command(self) -> str:
         return self.source.pack_command(self.out, f"{self.size[0]}x{self.size[1]}") + \
             (" --channels 1" if self.channels == 1 else "")
+
+    @property
+    def one_hot(self) -> bool:
+        return bool(self.labels and self.labels.width)
+
+    def assign(self, call: str, data_name: str) -> str:
+        """The line that makes `call` the script's data (with its own name, where it had one)."""
+        if self.origin is None:
+            return f"data = {call}   # was: {data_name}"
+        return self.origin.assign(call, data_name)
 
 
 def batch_images(batch, framework: str):
@@ -84,13 +238,20 @@ def find_recipe(probe, first) -> tuple[Recipe | None, str]:
     x, y, (h, w, c) = first
     if c not in (1, 3):
         return None, f"its images have {c} channels; a pack holds 1 (grayscale) or 3 (RGB)"
-    src, reads, notes = _source(probe, y)
+    labels = labels_of(y)
+    src, reads, notes = _source(probe, labels)
     if src is None:
         return None, reads
-    return Recipe(src, (h, w), c, _pack_name(src), reads, notes + _label_notes(y, x)), ""
+    width = len(src.alphabet or src.classes or [])
+    if labels is not None and labels.width and labels.width != width:
+        notes.append(f"your labels were one-hot over {labels.width}; the pack's are over {width} "
+                     f"({'symbols' if src.alphabet else 'classes'}): the model's last layer must match")
+    scale = 255.0 if float(np.max(x)) > 1.5 else 1.0
+    return Recipe(src, (h, w), c, _pack_name(src), reads, notes, labels, scale,
+                  getattr(probe, "data_origin", None)), ""
 
 
-def _source(probe, labels=None) -> tuple[Source | None, str, list[str]]:
+def _source(probe, labels: Labels | None = None) -> tuple[Source | None, str, list[str]]:
     fd = probe.from_directory
     if fd.get("directory"):
         if fd.get("labels", "inferred") != "inferred":
@@ -111,7 +272,10 @@ def _source(probe, labels=None) -> tuple[Source | None, str, list[str]]:
     return _folder_source(read)
 
 
-def _csv_source(path: str, read: list[str], y=None):
+def _csv_source(path: str, read: list[str], labels: Labels | None = None):
+    """(source, what it reads, notes) from a CSV that lists the images read, with the label column
+    that fits the script's labels; (None, why, []) where none fits; None where the CSV does not
+    list the images."""
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             rows = list(csv.reader(f))
@@ -119,9 +283,9 @@ def _csv_source(path: str, read: list[str], y=None):
         return None
     if len(rows) < 2:
         return None
-    header, body = [h.strip() for h in rows[0]], rows[1:]
+    header, body = [h.strip() for h in rows[0]], [r for r in rows[1:] if len(r) == len(rows[0])]
     base, wanted = os.path.dirname(path), set(read)
-    hits = [sum(len(r) == len(header) and os.path.normpath(os.path.join(base, r[i].strip())) in wanted for r in body)
+    hits = [sum(os.path.normpath(os.path.join(base, r[i].strip())) in wanted for r in body)
             for i in range(len(header))]
     best = max(range(len(header)), key=hits.__getitem__)
     if hits[best] < COVERED * len(wanted):
@@ -129,30 +293,23 @@ def _csv_source(path: str, read: list[str], y=None):
     others = [i for i in range(len(header)) if i != best]
     if not others:
         return None
-    fits = [i for i in others if _fits_labels([r[i].strip() for r in body if len(r) == len(header)], y)]
+    fits = [i for i in others if labels is not None and labels.fits([r[i].strip() for r in body])]
+    if labels is not None and not fits:
+        return None, (f"{_rel(path)} lists the images the script read, but none of its other columns "
+                      f"({', '.join(repr(header[i]) for i in others)}) holds labels like the script's "
+                      f"({labels.said()}): pack it with --label-column naming the column that does"), []
     candidates = fits or others
     named = [i for i in candidates if header[i].lower() in LABEL_NAMES]
     label = header[(named or candidates)[0]]
-    notes = [] if len(others) == 1 or len(fits) == 1 else \
-        [f"label column {label!r} is a guess among {', '.join(repr(header[i]) for i in others)}: check it"]
+    notes = [] if len(candidates) == 1 else \
+        [f"label column {label!r} is a guess among {', '.join(repr(header[i]) for i in candidates)}: check it"]
     try:
         src = from_csv(_rel(path), path_column=header[best], label_column=label)
-    except TrainfastError:
-        return None
+        if labels is not None and (src.alphabet is not None) != (labels.kind == "sequence"):
+            src = from_csv(_rel(path), path_column=header[best], label_column=label, label_kind=labels.kind)
+    except TrainfastError as e:
+        return None, str(e), []
     return src, f"the {len(src):,} images listed in {_rel(path)}", notes
-
-
-def _fits_labels(values: list[str], y) -> bool:
-    """Could this CSV column be the labels the script's batch held? Sequences (y of shape (B, L),
-    integers) need strings of length L; classes (y of shape (B,), or one-hot (B, K)) need 2 or
-    more distinct values that repeat (at most K when one-hot)."""
-    if y is None or not values:
-        return False
-    one_hot = y.dtype.kind == "f" and y.ndim == 2 and np.isin(y, (0, 1)).all()
-    if y.ndim == 2 and not one_hot:
-        return sum(len(v) == y.shape[1] for v in values) >= 0.9 * len(values)
-    distinct = len(set(values))
-    return 2 <= distinct <= (y.shape[1] if one_hot else len(values) // 2)  # class labels repeat
 
 
 def _folder_source(read: list[str]):
@@ -184,16 +341,14 @@ def _holds_images(folder: str) -> bool:
         return False
 
 
-def _label_notes(y, x) -> list[str]:
-    """What else changes when the script reads a PackDataset instead: its labels' and pixels' form."""
-    notes = []
-    if y is not None and y.dtype.kind == "f" and y.ndim >= 2 and np.allclose(y.sum(-1), 1) and \
-            np.isin(y, (0, 1)).all():
-        notes.append("your labels were one-hot; PackDataset gives class indices: use the sparse_ form of the loss "
-                     "(sparse_categorical_crossentropy)")
-    if float(np.max(x)) > 1.5:
-        notes.append("your batches held pixel values up to 255; PackDataset gives 0–1 (as / 255.0 does): drop a "
-                     "Rescaling(1/255) layer, or multiply by 255")
+def torch_notes(recipe: Recipe) -> list[str]:
+    """What else changes when a PyTorch script reads the Loader instead: its labels' and pixels' form."""
+    notes = list(recipe.notes)
+    if recipe.one_hot:
+        notes.append("your labels were one-hot; the Loader gives class indices: cross_entropy takes them as they are")
+    if recipe.scale != 1.0:
+        notes.append("your batches held pixel values up to 255; the Loader gives them normalised (or 0–1 with "
+                     "normalize=False): drop your own scaling")
     return notes
 
 
@@ -233,13 +388,14 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
         per_batch = seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True))
     new = max(step_s - data_s, 0.0) + per_batch
     unit = x is not None and float(np.min(x)) >= 0 and float(np.max(x)) <= 1.5  # the script fed [0, 1] images
-    code = (f"from trainfast import Loader\n"
-            f"loader = Loader({recipe.out!r}, batch_size={batch_size}, device={device!r}"
-            + (", normalize=False" if unit else "") + f")   # was: {data_name}\n"
+    call = f"Loader({recipe.out!r}, batch_size={batch_size}, device={device!r}" + \
+        (", normalize=False" if unit else "") + ")"
+    code = (f"from trainfast import Loader\n{recipe.assign(call, data_name)}\n"
             f"# batches: (images N×C×H×W float32 on {device}, "
             + ("in [0, 1] as yours were" if unit else "normalised by the pack's mean and std") + "; labels int64)")
     return Recommendation(
-        "Pack the images once, then stream the pack", f"{recipe.command}\n# then in the script:\n{code}",
+        "Pack the images once, then stream the pack",
+        f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {n}" for n in torch_notes(recipe)),
         step_s / max(new, 1e-9), True,
         f"a pack of {n} of your files loads a batch in {units.ms(per_batch)} ms; the script waited "
         f"{units.ms(data_s)} ms per step for {data_name}; it reads {recipe.reads}")

@@ -103,27 +103,30 @@ class KerasSide:
 
     def recommendation(self, recipe: Recipe, model, script_step_s: float, batch_size: int, data_name: str,
                        x, y, max_seconds: float = 20.0) -> Recommendation:
-        """Feed the script's own Keras model from a pack of a sample of its files for a few steps
-        and compare the step time with the script's own (data wait included)."""
+        """Feed the script's own Keras model from a pack of a sample of its files, with the pack's
+        own labels in the form the printed line gives them, for a few steps, and compare the step
+        time with the script's own (data wait included). Labels the model would not take are a
+        finding, not a gain."""
+        title = "Pack the images once, then feed Keras from the pack"
+        args = [repr(recipe.out), f"batch_size={batch_size}"] + ["one_hot=True"] * recipe.one_hot + \
+            [f"scale={recipe.scale:g}"] * (recipe.scale != 1.0)
+        call = f"PackDataset({', '.join(args)})"
+        code = f"from trainfast.keras import PackDataset\n{recipe.assign(call, data_name)}"
+        action = f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {n}" for n in recipe.notes)
         with files.scratch("doctor") as tmp:
             pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
             n = len(pk)
-            feed = PackDataset(pk, batch_size=min(batch_size, len(pk)), drop_last=True)
-            labels = np.resize(y, (feed.loader.batch_size, *y.shape[1:])) if y is not None else None
-            scale = 255.0 if float(np.max(x)) > 1.5 else 1.0  # the model sees what the script gave it
+            feed = PackDataset(pk, batch_size=min(batch_size, len(pk)), drop_last=True, one_hot=recipe.one_hot,
+                               scale=recipe.scale)
+            given = feed[0][1]
+            if y is not None and given.shape[1:] != y.shape[1:]:
+                return Recommendation(title, action, 0.0, False,
+                                      f"not measured: the pack's labels come as {given.shape[1:]} per image where the "
+                                      f"script gave {y.shape[1:]}; your model would not take them as they are")
             steps = int(min(10, max(4, max_seconds / max(script_step_s, 1e-3)))) + 2
-
-            def batch(i):
-                images, _ = feed[i % len(feed)]
-                return (images * scale if scale != 1.0 else images), labels
-
-            ends = batch_ends(model, batch, steps)
+            ends = batch_ends(model, lambda i: feed[i % len(feed)], steps)
             step = statistics.median(np.diff(ends[1:])) if len(ends) > 3 else float("nan")
-        code = (f"from trainfast.keras import PackDataset\n"
-                f"data = PackDataset({recipe.out!r}, batch_size={batch_size})   # was: {data_name}")
         return Recommendation(
-            "Pack the images once, then feed Keras from the pack",
-            f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {note}" for note in recipe.notes),
-            script_step_s / step, True,
-            f"your model fed from a pack of {n} of your files: {units.ms(step)} ms per step, against "
-            f"{units.ms(script_step_s)} ms with {data_name}; the script reads {recipe.reads}")
+            title, action, script_step_s / step, True,
+            f"your model fed from a pack of {n} of your files, with its labels: {units.ms(step)} ms per step, "
+            f"against {units.ms(script_step_s)} ms with {data_name}; the script reads {recipe.reads}")

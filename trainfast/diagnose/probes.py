@@ -413,7 +413,7 @@ def _note_origin(probe: _Probe, data, frame):
     while frame is not None and (_is_library(frame.f_code.co_filename) or frame.f_code.co_filename.startswith(own)):
         frame = frame.f_back
     if frame is not None and not frame.f_code.co_filename.startswith("<"):
-        from trainfast.diagnose.recipe import origin_of
+        from trainfast.diagnose.origin import origin_of
         probe.data_origin = origin_of(data, frame)
 
 

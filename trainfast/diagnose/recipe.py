@@ -21,6 +21,7 @@ import numpy as np
 
 from trainfast import files, units
 from trainfast.data.sources import IMAGE_EXTENSIONS, Source, from_csv, from_folder
+from trainfast.diagnose.origin import Origin, rel_path
 from trainfast.diagnose.verdict import Recommendation
 from trainfast.errors import TrainfastError
 
@@ -71,102 +72,6 @@ def labels_of(y) -> Labels | None:
     if y.ndim == 3 and one_hot:
         return Labels("sequence", y.shape[1:], length=int(y.shape[1]), width=int(y.shape[2]))
     return None
-
-
-@dataclass
-class Origin:
-    """Where the script hands its data over: the file and line of that call, the name the data
-    has there (None when it is made in the call itself) and the assignment that made it."""
-
-    file: str
-    call_line: int
-    name: str | None
-    made: tuple[int, int] | None = None  # first and last line of `name = ...`
-    made_text: str = ""  # what it was: `name = ...`, on one line, shortened
-    handed_text: str = ""  # without a name: the expression handed over, as written
-
-    def where(self, lines: tuple[int, int] | None = None) -> str:
-        first, last = lines or (self.call_line, self.call_line)
-        return f"{_rel(self.file)}:{first}" + (f"-{last}" if last != first else "")
-
-    def assign(self, call: str, data_name: str) -> str:
-        """The line that makes `call` the script's data, in place of the old one."""
-        if self.made is not None:
-            return f"{self.name} = {call}   # in place of {self.where(self.made)}: {self.made_text}"
-        return f"data = {call}\n# then write data in place of `{self.handed_text or data_name}` at {self.where()}"
-
-
-def origin_of(data, frame) -> Origin:
-    """Origin of `data`, handed over in `frame` (the script's own code)."""
-    scope = {**frame.f_globals, **frame.f_locals}
-    names = [n for n, v in scope.items() if v is data and not n.startswith("_")]
-    origin = Origin(frame.f_code.co_filename, frame.f_lineno, names[0] if names else None)
-    parsed = _parse(origin.file)
-    if parsed is None:
-        return origin
-    if origin.name:
-        origin.made, origin.made_text = _assignment(*parsed, origin.name, origin.call_line, type(data).__name__)
-    if origin.made is None:
-        origin.handed_text = _handed(*parsed, origin.call_line)
-    return origin
-
-
-def _parse(path: str):
-    import ast
-
-    try:
-        source = Path(path).read_text(encoding="utf-8")
-        return source, ast.parse(source)
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-        return None
-
-
-def _handed(source: str, tree, line: int) -> str:
-    """The expression handed over at `line`, as written: the first argument of a `.fit(...)` call,
-    or what a `for` loop iterates over; "" where it is neither or spans lines."""
-    import ast
-
-    for node in ast.walk(tree):
-        expr = None
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fit" \
-                and node.lineno <= line <= node.end_lineno:
-            expr = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "x"), None)
-        elif isinstance(node, ast.For) and node.lineno <= line <= node.iter.end_lineno:
-            expr = node.iter
-        if expr is not None and expr.lineno == expr.end_lineno:
-            return ast.get_source_segment(source, expr) or ""
-    return ""
-
-
-def _assignment(source: str, tree, name: str, before: int, maker: str = "") -> tuple[tuple[int, int] | None, str]:
-    """The last plain `name = ...` at or before line `before` in the same function (or module
-    level) — among several (if/else), the last that names `maker`, the data's type — as (first
-    line, last line) and its text; (None, "") where there is none."""
-    import ast
-
-    functions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
-    scope = min((n for n in ast.walk(tree) if isinstance(n, functions) and n.lineno <= before <= n.end_lineno),
-                key=lambda n: n.end_lineno - n.lineno, default=tree)
-    found = []
-
-    def visit(node):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, functions):
-                continue  # another scope
-            targets = child.targets if isinstance(child, ast.Assign) else \
-                [child.target] if isinstance(child, ast.AnnAssign) and child.value is not None else []
-            if len(targets) == 1 and isinstance(targets[0], ast.Name) and targets[0].id == name \
-                    and child.lineno <= before:
-                found.append(child)
-            visit(child)
-
-    visit(scope)
-    if not found:
-        return None, ""
-    naming = [n for n in found if maker and maker in (ast.get_source_segment(source, n.value) or "")]
-    found = max(naming or found, key=lambda n: n.lineno)
-    text = " ".join((ast.get_source_segment(source, found) or name).split())
-    return (found.lineno, found.end_lineno), (text if len(text) <= 70 else text[:67] + "...")
 
 
 @dataclass
@@ -257,7 +162,7 @@ def _source(probe, labels: Labels | None = None) -> tuple[Source | None, str, li
         if fd.get("labels", "inferred") != "inferred":
             return None, "image_dataset_from_directory was given its labels as a list; pack from a CSV", []
         try:
-            src = from_folder(_rel(os.path.abspath(fd["directory"])))
+            src = from_folder(rel_path(os.path.abspath(fd["directory"])))
         except TrainfastError as e:
             return None, str(e), []
         return src, f"the {len(src):,} images under {fd['directory']} (image_dataset_from_directory)", []
@@ -295,7 +200,7 @@ def _csv_source(path: str, read: list[str], labels: Labels | None = None):
         return None
     fits = [i for i in others if labels is not None and labels.fits([r[i].strip() for r in body])]
     if labels is not None and not fits:
-        return None, (f"{_rel(path)} lists the images the script read, but none of its other columns "
+        return None, (f"{rel_path(path)} lists the images the script read, but none of its other columns "
                       f"({', '.join(repr(header[i]) for i in others)}) holds labels like the script's "
                       f"({labels.said()}): pack it with --label-column naming the column that does"), []
     candidates = fits or others
@@ -304,12 +209,12 @@ def _csv_source(path: str, read: list[str], labels: Labels | None = None):
     notes = [] if len(candidates) == 1 else \
         [f"label column {label!r} is a guess among {', '.join(repr(header[i]) for i in candidates)}: check it"]
     try:
-        src = from_csv(_rel(path), path_column=header[best], label_column=label)
+        src = from_csv(rel_path(path), path_column=header[best], label_column=label)
         if labels is not None and (src.alphabet is not None) != (labels.kind == "sequence"):
-            src = from_csv(_rel(path), path_column=header[best], label_column=label, label_kind=labels.kind)
+            src = from_csv(rel_path(path), path_column=header[best], label_column=label, label_kind=labels.kind)
     except TrainfastError as e:
         return None, str(e), []
-    return src, f"the {len(src):,} images listed in {_rel(path)}", notes
+    return src, f"the {len(src):,} images listed in {rel_path(path)}", notes
 
 
 def _folder_source(read: list[str]):
@@ -319,17 +224,17 @@ def _folder_source(read: list[str]):
     if all(os.path.dirname(p) == root for p in read):  # all in one folder: its parent may hold the classes
         parent = os.path.dirname(root)
         if sum(_holds_images(os.path.join(parent, d)) for d in os.listdir(parent) if not d.startswith(".")) < 2:
-            return None, (f"the images it reads sit in one folder ({_rel(root)}) and no CSV it opened lists them: "
+            return None, (f"the images it reads sit in one folder ({rel_path(root)}) and no CSV it opened lists them: "
                           "trainfast cannot tell their labels"), []
         root = parent
     try:
-        src = from_folder(_rel(root))
+        src = from_folder(rel_path(root))
     except TrainfastError as e:
         return None, str(e), []
     listed = {os.path.abspath(f) for f in src.files}
     if sum(p in listed for p in read) < COVERED * len(read):
-        return None, f"{_rel(root)} holds class folders, but not the images the script read", []
-    return src, f"the {len(src):,} images in the class folders of {_rel(root)}", []
+        return None, f"{rel_path(root)} holds class folders, but not the images the script read", []
+    return src, f"the {len(src):,} images in the class folders of {rel_path(root)}", []
 
 
 def _holds_images(folder: str) -> bool:
@@ -356,11 +261,6 @@ def _pack_name(src: Source) -> str:
     p = Path(src.origin)
     stem = p.parent.name if src.kind == "csv" and p.parent.name else (p.stem if src.kind == "csv" else p.name)
     return f"{stem or 'data'}.pack"
-
-
-def _rel(path: str) -> str:
-    r = os.path.relpath(path)
-    return path if r.startswith("..") else r
 
 
 def sample_pack(src: Source, size: tuple[int, int], channels: int, batch_size: int, where: Path):

@@ -17,13 +17,14 @@ QUIET = {"progress": False, "log": lambda *a: None}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,target", [("cifar_cnn", 0.97), ("cifar_resnet", 0.99)])
-def test_cifar_shaped_models_learn_digits_with_the_defaults(digits_packs, tmp_path, device, model, target):
-    """The CIFAR story's CNN (no normalisation) and the residual net, 15 epochs, nothing else given:
-    before the batch was bounded by the data, tune's batch 256 left 5 steps per epoch and the
-    CIFAR CNN ended at 8.3%."""
+@pytest.mark.parametrize("model,target,epochs", [("cifar_cnn", 0.97, 8), ("cifar_resnet", 0.99, 3)])
+def test_cifar_shaped_models_learn_digits_with_the_defaults(digits_packs, tmp_path, device, model, target, epochs):
+    """The CIFAR story's CNN (no normalisation) and the residual net, nothing else given: before
+    the batch was bounded by the data, tune's batch 256 left 5 steps per epoch and the CIFAR CNN
+    ended at 8.3%. (On a 2-core AVX2 EPYC, 2026-12-07: the CNN 0.983 after 8 epochs in 35 s,
+    the residual net 1.000 after 3 in 39 s; 15 epochs each had cost 280 s of the suite.)"""
     train, test = digits_packs
-    r = fit(model, train, test, epochs=15, device=device, run_dir=tmp_path / "r", **QUIET)
+    r = fit(model, train, test, epochs=epochs, device=device, run_dir=tmp_path / "r", **QUIET)
     assert r.best >= target, [h["val_acc"] for h in r.history]
     assert r.speed.batch_size <= 32  # 1,438 images: at least 32 steps per epoch
     lr = json.loads((r.run_dir / "config.json").read_text())["lr"]

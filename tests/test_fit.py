@@ -31,16 +31,17 @@ def fast(device: str) -> Speed:
 
 
 def test_digits_reach_97_percent_with_a_complete_run_dir(digits_packs, tmp_path, device):
+    """Two epochs of the residual net (0.98 after its first on this data) and every file of a run."""
     train, test = digits_packs
-    r = fit("cifar_resnet", train, test, config=TrainConfig(epochs=4, seed=0), speed=fast(device), device=device,
+    r = fit("cifar_resnet", train, test, config=TrainConfig(epochs=2, seed=0), speed=fast(device), device=device,
             run_dir=tmp_path / "run", progress=False, log=lambda *a: None)
     assert r.best >= 0.97, r.history
     files = {p.name for p in (tmp_path / "run").iterdir()}
     assert {"config.json", "metrics.csv", "curves.png", "speed.json", "last.pt", "best.pt"} <= files
     rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
-    assert len(rows) == 4 and float(rows[-1]["val_acc"]) >= 0.9
+    assert len(rows) == 2 and float(rows[-1]["val_acc"]) >= 0.9
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert cfg["model"] == "cifar_resnet" and cfg["speed"]["batch_size"] == 64 and cfg["train"]["epochs"] == 4
+    assert cfg["model"] == "cifar_resnet" and cfg["speed"]["batch_size"] == 64 and cfg["train"]["epochs"] == 2
     assert "machine" in json.loads((tmp_path / "run" / "speed.json").read_text())
     assert cfg["device"].startswith(device)
 

@@ -152,3 +152,17 @@ def test_keras_tune_says_what_it_needs():
     sub.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(TrainfastError, match="clone_model"):
         tune(sub, (x, y), log=lambda m: None)
+
+
+def test_the_threads_line_is_the_backends_own(monkeypatch):
+    """The cores answer a script can use: torch.set_num_threads on the torch backend, TensorFlow's
+    threading config on TensorFlow (set at the script's top: its pools are fixed at start)."""
+    from trainfast.keras import threads
+
+    assert threads.code(1).startswith("torch.set_num_threads(1)") and threads.can_time()
+    monkeypatch.setattr(keras.backend, "backend", lambda: "tensorflow")
+    assert "tf.config.threading.set_intra_op_parallelism_threads(3)" in threads.code(3)
+    assert "set_inter_op_parallelism_threads(1)" in threads.code(3) and not threads.can_time()
+    with threads.using(1):  # not the torch backend: nothing changes
+        import torch
+        assert torch.get_num_threads() >= 1

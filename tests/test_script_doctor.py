@@ -210,6 +210,40 @@ def test_a_keras_script_reading_a_csv_of_classes_gets_a_recipe_that_pastes(tmp_p
                "(one class per image, one-hot over 3" in f for f in r.findings), r.findings
 
 
+KERAS_ARRAYS = '''
+import numpy as np
+import keras
+from keras import layers
+
+rng = np.random.default_rng(0)
+x, y = rng.random((2048, 32, 32, 3), dtype=np.float32), rng.integers(0, 10, 2048)
+model = keras.Sequential([keras.Input((32, 32, 3)), layers.Conv2D(16, 3, activation="relu"), layers.MaxPooling2D(),
+                          layers.Conv2D(32, 3, activation="relu"), layers.GlobalAveragePooling2D(), layers.Dense(10)])
+model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(x, y, batch_size=64, epochs=5, verbose=0)
+'''
+
+
+def test_a_keras_script_on_arrays_gets_its_settings_timed_and_the_cores_answer(tmp_path, monkeypatch):
+    """The CIFAR story asked how to make Keras use all its cores: the settings are timed on a copy
+    of the model fed from the arrays' first batch, and the threads the backend trains with are
+    said, with fewer timed on a copy (the torch backend can change them in a running process)."""
+    pytest.importorskip("keras")
+    import torch
+
+    import trainfast.keras.doctor as keras_doctor
+    monkeypatch.setattr(keras_doctor, "KERAS_TUNE_S", 12.0)
+    r = doctor_script(["python", str(_script(tmp_path, KERAS_ARRAYS))], steps=4, log=lambda m: None)
+    assert r.data_source["kind"] == "in-memory arrays" and len(r.timed) == 4, r.stopped
+    said = " ".join(r.findings) + " ".join(x.title for x in r.recommendations)
+    assert "Keras's own settings" in said, r.findings
+    cores = [f for f in r.findings if f.startswith("cores: Keras on torch trains with")]
+    n = torch.get_num_threads()
+    assert cores and f"with {n} CPU thread" in cores[0], r.findings
+    if n >= 2:  # half the threads timed on a copy of the model
+        assert f"a copy of the model with {n // 2}:" in cores[0], cores
+
+
 def _paste(script: Path, action: str, where: Path) -> Path:
     """A recipe as a user follows it: the pack command run in `where`, the code lines put in a copy
     of the script where the recipe says (the lines it replaces, or before the statement that uses

@@ -379,6 +379,10 @@ def _patch_keras(keras, probe: _Probe, undo: list):
         callbacks = list(kwargs.pop("callbacks", None) or [])
         kwargs["callbacks"] = callbacks + [_Doctor()]
         _note_origin(probe, x, sys._getframe(1))
+        if probe.first_batch is None and hasattr(x, "shape") and hasattr(x, "__getitem__"):
+            y = args[0] if args else kwargs.get("y")  # arrays: the first batch is theirs to show
+            size = kwargs.get("batch_size") or (args[1] if len(args) > 1 and isinstance(args[1], int) else 32)
+            probe.first_batch = (x[:size], y[:size] if y is not None and hasattr(y, "__getitem__") else None)
         return original_fit(self, _wrap_keras_data(keras, x, probe), *args, **kwargs)
 
     Model.fit = fit

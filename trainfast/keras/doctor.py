@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import keras
 import numpy as np
@@ -22,6 +23,7 @@ from trainfast.diagnose.verdict import Recommendation
 from trainfast.errors import TrainfastError
 from trainfast.keras.data import PackDataset
 from trainfast.keras.settings import batch_ends, tune
+from trainfast.keras.threads import code as threads_code
 
 KERAS_TUNE_S = 30.0  # the script doctor's budget for timing Keras's own settings
 
@@ -72,6 +74,27 @@ class SpeedDoctor(keras.callbacks.Callback):
         self.print_fn(self.report.text())
 
 
+def _cores(result, usable: int) -> list[str]:
+    """The cores answer for a Keras script: the threads its backend trains with, and what a copy
+    of the model did with fewer (timed on the torch backend; TensorFlow's are set at start)."""
+    n = result.threads
+    if not n or result.device != "cpu":
+        return []
+    line = (f"cores: Keras on {result.backend} trains with {n} CPU thread{'s' * (n != 1)} on {usable} usable "
+            f"core{'s' * (usable != 1)}" + (" (all of them)" if n >= usable else ""))
+    fewer = next((t for t in result.trials if t.setting.threads and t.images_per_s), None)
+    if fewer is not None:
+        same = next((t for t in result.trials if t.setting == replace(fewer.setting, threads=None)), result.base)
+        line += (f"; a copy of the model with {fewer.setting.threads}: {units.rate(fewer.images_per_s)} images/s "
+                 f"against {units.rate(same.images_per_s or 0)} with {n}")
+        line += (": fewer threads are faster here, while other programs hold cores (the line is in What to do)"
+                 if result.best.setting.threads else ": keep them all")
+    elif n < usable or result.backend != "torch":
+        code = "; ".join(c.split("   #")[0] for c in threads_code(max(1, n)).splitlines())
+        line += f"; to set them, at the top of the script: {code}"
+    return [line]
+
+
 class KerasSide:
     """What the script doctor asks of Keras (diagnose.script.framework_side)."""
 
@@ -86,10 +109,12 @@ class KerasSide:
             result = tune(model, (first[0], first[1]), max_seconds=KERAS_TUNE_S, log=lambda m: None)
         except TrainfastError as e:
             return [f"Keras's own settings were not timed: {e}"]
+        cores = _cores(result, r.system["usable_cores"])
+        left_out = f"; not tried: {', '.join(result.not_tried)}" if result.not_tried else ""
         if result.best is result.base:
             return [f"Keras's own settings, timed on a copy of the model: none beat {result.base.setting.label()} "
                     f"by 5% (" + "; ".join(f"{t.setting.label()}: {units.rate(t.images_per_s)} images/s"
-                                           for t in result.trials if t.images_per_s) + ")"]
+                                           for t in result.trials if t.images_per_s) + f"){left_out}"] + cores
         f = result.speedup
         data, step = r.mean("data"), r.mean("seconds")
         r.recommendations.append(Recommendation(
@@ -98,8 +123,8 @@ class KerasSide:
             f"the train step alone, on a copy of your model with your batch: ×{f:.2f} "
             f"({units.rate(result.base.images_per_s)} → {units.rate(result.best.images_per_s)} images/s)"
             + ("; the whole step gains that once it no longer waits for data (the pack above)"
-               if r.recommendations else "")))
-        return []
+               if r.recommendations else "") + left_out))
+        return cores
 
     def recommendation(self, recipe: Recipe, model, script_step_s: float, batch_size: int, data_name: str,
                        x, y, max_seconds: float = 20.0) -> Recommendation:

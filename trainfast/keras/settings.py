@@ -13,6 +13,7 @@ import torch
 
 from trainfast import hardware, units
 from trainfast.errors import TrainfastError, in_words
+from trainfast.keras import threads as backend_threads
 from trainfast.keras.data import PackDataset
 
 LOSS_TOLERANCE = 0.05  # a policy's loss on a fixed batch, relative to float32's (as trainfast tune)
@@ -21,16 +22,19 @@ BETTER = 1.05  # a candidate must beat the best so far by 5% to replace it (timi
 
 @dataclass(frozen=True)
 class KerasSetting:
-    """What `model.compile` / `model.fit` are given: the dtype policy, jit_compile, steps_per_execution, batch."""
+    """What `model.compile` / `model.fit` are given: the dtype policy, jit_compile, steps_per_execution,
+    batch; and the backend's CPU threads (None: as the script has them)."""
 
     policy: str = "float32"
     jit_compile: bool | str = "auto"
     steps_per_execution: int = 1
     batch_size: int = 32
+    threads: int | None = None
 
     def label(self) -> str:
         jit = {True: "jit", False: "no jit"}.get(self.jit_compile, "jit auto")
-        return f"{self.policy}, {jit}, {self.steps_per_execution} step/exec, batch {self.batch_size}"
+        return f"{self.policy}, {jit}, {self.steps_per_execution} step/exec, batch {self.batch_size}" + \
+            (f", {self.threads} thread{'s' * (self.threads != 1)}" if self.threads else "")
 
 
 @dataclass
@@ -53,6 +57,7 @@ class KerasTuneResult:
     trials: list[KerasTrial] = field(default_factory=list)
     not_tried: list[str] = field(default_factory=list)
     load_warning: str = ""
+    threads: int | None = None  # the backend's CPU threads as the model trains now (None: unknown)
 
     @property
     def speedup(self) -> float:
@@ -72,6 +77,8 @@ class KerasTuneResult:
             kw.append(f"steps_per_execution={w.steps_per_execution}")
         if kw:
             lines.append(f"model.compile(..., {', '.join(kw)})")
+        if w.threads != b.threads:
+            lines.append(backend_threads.code(w.threads))
         if w.batch_size != b.batch_size:
             lines.append(f"batch_size={w.batch_size}   # in fit or your data; a larger batch may want a larger "
                          "learning rate")
@@ -100,8 +107,10 @@ def tune(model, data, *, batch_sizes=None, max_seconds: float = 60.0, try_torch_
     copy of the model (`keras.models.clone_model`, same weights): the precision policies the
     device runs fast (mixed_bfloat16 on a CPU with AVX512-BF16 or AMX, mixed_float16 and
     mixed_bfloat16 on a GPU that has them), jit_compile (XLA; on the torch backend torch.compile
-    only with try_torch_compile, its compile takes minutes on few cores), steps_per_execution and
-    larger batches. A policy whose loss on a fixed batch strays from float32's is rejected.
+    only with try_torch_compile, its compile takes minutes on few cores), steps_per_execution,
+    larger batches, and on a CPU half the threads (the torch backend; where other programs hold
+    cores, fewer threads can be faster). A policy whose loss on a fixed batch strays from
+    float32's is rejected.
 
     Args:
         model: a compiled Sequential or Functional Keras model (a subclassed one cannot be copied).
@@ -164,6 +173,13 @@ def tune(model, data, *, batch_sizes=None, max_seconds: float = 60.0, try_torch_
         for policy in _policies(device):
             if policy != base.policy:
                 consider(replace(best.setting, policy=policy))
+        threads = backend_threads.current()
+        if device == "cpu" and threads and threads >= 2:
+            if backend_threads.can_time():
+                consider(replace(best.setting, threads=threads // 2))
+            else:
+                not_tried.append(f"{threads // 2} threads ({backend} sets its thread pools when it starts: "
+                                 "a line at the top of the script changes them)")
         if backend == "tensorflow" or (backend == "torch" and try_torch_compile):
             consider(replace(best.setting, jit_compile=not _resolved_jit(best.setting, model)))
         elif backend == "torch":
@@ -175,7 +191,7 @@ def tune(model, data, *, batch_sizes=None, max_seconds: float = 60.0, try_torch_
             consider(replace(best.setting, batch_size=int(b)))
             if best is before and batch_sizes is None:
                 break
-    result = KerasTuneResult(backend, device, base_trial, best, trials, not_tried, load.warning())
+    result = KerasTuneResult(backend, device, base_trial, best, trials, not_tried, load.warning(), threads)
     for line in result.table().splitlines():
         log(line)
     return result
@@ -302,6 +318,12 @@ def batch_ends(model, batch, n: int) -> list[float]:
 def _trial(model, setting: KerasSetting, x, y, losses: dict, deadline: float, min_seconds: float = 1.0) -> KerasTrial:
     """Time one setting: a warm-up fit (tracing, compiling), then a fit long enough to time."""
     trial = KerasTrial(setting)
+    with backend_threads.using(setting.threads):
+        return _timed(trial, model, setting, x, y, losses, deadline, min_seconds)
+
+
+def _timed(trial: KerasTrial, model, setting: KerasSetting, x, y, losses: dict, deadline: float,
+           min_seconds: float) -> KerasTrial:
     try:
         copy = _compiled(model, setting)
         if setting.policy not in losses:

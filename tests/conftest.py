@@ -49,10 +49,9 @@ def other_load(monkeypatch, cores, machine_cores: int | None = 2):
     whose torch starts with as many threads (None: this machine's)."""
     from trainfast import hardware
 
-    def exit_(self, *exc):
-        self.cores = cores() if callable(cores) else cores
-        return False
-    monkeypatch.setattr(hardware.OtherLoad, "__exit__", exit_)
+    def so_far(self):
+        return cores() if callable(cores) else cores
+    monkeypatch.setattr(hardware.OtherLoad, "so_far", so_far)
     if machine_cores:
         for name in ("usable_cores", "physical_cores", "default_threads"):
             monkeypatch.setattr(hardware, name, lambda: machine_cores)

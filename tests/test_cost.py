@@ -39,7 +39,17 @@ def test_whole_small_cnn_per_image_and_findings():
     assert c.layers[0].flops == 2 * 62 * 62 * 32 * 27  # per image, not per batch of 3
     text = " ".join(c.findings)
     assert "holds" in text and "7 (Linear)" in text  # the big Dense
+    assert "it reads a flattened 16×14×14 map: global average pooling before it removes most of it" in text
     assert "filters shrink from 32 to 16" in text
+
+
+def test_a_big_head_after_a_global_pool_is_not_told_to_pool():
+    """timm's heads follow a global pool on a 1×1 map: pooling again removes nothing."""
+    net = nn.Sequential(nn.Conv2d(3, 64, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 2048),
+                        nn.ReLU(), nn.Linear(2048, 10))
+    text = " ".join(layer_costs(net, (3, 32, 32), batch=2).findings)
+    assert "4 (Linear) holds" in text
+    assert "dominates memory" in text and "pooling" not in text
 
 
 def test_failing_model_names_layer_and_shapes():

@@ -35,15 +35,6 @@ def test_fast_precisions_follow_the_cpu_flags(monkeypatch):
     assert hardware.fast_precisions(cpu) == ()  # bf16 would be emulated; fp16 never on a CPU
 
 
-def test_threads_follow_the_cores_other_processes_leave_free(monkeypatch):
-    monkeypatch.setattr(hardware, "physical_cores", lambda: 4)
-    monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
-    monkeypatch.setattr(hardware, "default_threads", lambda: 4)
-    assert hardware.free_threads(None) == 4 and hardware.free_threads(0.6) == 4  # under a quarter: quiet
-    assert hardware.free_threads(1.2) == 3 and hardware.free_threads(2.9) == 1
-    assert hardware.free_threads(7.0) == 1  # never none
-
-
 def test_peaks_measured_on_a_busy_machine_are_used_but_not_cached(monkeypatch):
     cpu = torch.device("cpu")
     fake = {"matmul_flops": {"float32": 1e9}, "copy_bytes": 1e9}

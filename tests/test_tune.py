@@ -353,20 +353,24 @@ def test_rewrites_that_match_nothing_are_not_timed():
     assert any(s.rewrites for s in tried)  # _net's ReLU after a convolution can be made in place
 
 
-def test_a_busy_machine_is_timed_with_the_free_cores_said_and_not_cached(monkeypatch):
-    """Other processes hold one of two cores: tune times with one thread, says so in its log and
-    table, puts the threads back, and the next tune measures again instead of reusing it."""
+@pytest.mark.parametrize("one_thread_gain", [2.0, 0.6])
+def test_a_busy_machine_has_fewer_threads_timed_said_and_not_cached(monkeypatch, one_thread_gain):
+    """Other processes hold one of two cores: tune times half the threads beside all of them (issue
+    51.2: whether they yield their core is not in their CPU share) and keeps what was faster — one
+    thread beside a program at equal priority, two beside one at low priority — says so, and the
+    next tune measures again instead of reusing it."""
     other_load(monkeypatch, 1.0)
     torch.set_num_threads(2)
-    threads, said = [], []
+    said = []
 
     def measure(model, shape, out, speed, device):
-        threads.append(torch.get_num_threads())
-        return Trial(speed, 100.0 * speed.batch_size ** 0.1, 2.0)
+        gain = one_thread_gain if speed.threads == 1 else 1.0
+        return Trial(speed, 100.0 * speed.batch_size ** 0.1 * gain, 2.0)
     r = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, retune=True, log=said.append)
-    assert set(threads) == {1} and torch.get_num_threads() == 2
-    assert r.busy and r.threads == 1 and "the machine was busy: other processes kept 1.0 of its 2 cores" in r.table()
-    assert any("timing with 1 thread" in m for m in said)
+    assert torch.get_num_threads() == 2 and any(t.speed.threads == 1 for t in r.rows)
+    assert r.best.threads == (1 if one_thread_gain > 1 else 0)  # 0: torch's own count
+    assert r.busy and "the machine was busy: other processes kept 1.0 of its 2 cores" in r.table()
+    assert any("1 thread will be timed beside 2" in m for m in said)
     again = []
     r2 = tune(_net(), (3, 8, 8), device="cpu", measure=lambda *a: again.append(1) or measure(*a), try_compile=False,
               log=lambda m: None)

@@ -26,4 +26,6 @@ def test_thresholds(data, kind, degree):
 
 def test_overhead_bound_at_small_batch_far_from_peak():
     assert verdict(_times(0.0, batch=5), _roof(0.02)).kind == "overhead-bound"
-    assert verdict(_times(0.0, batch=256), _roof(0.02)).kind == "compute-bound"
+    far = verdict(_times(0.0, batch=256), _roof(0.01))  # a large batch far from peak: not the arithmetic
+    assert far.kind == "compute-bound" and "only 1.0% of the device's measured peak" in far.sentence
+    assert "memory traffic" in far.sentence and "memory traffic" not in verdict(_times(0.0), _roof(0.5)).sentence

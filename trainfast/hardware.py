@@ -161,12 +161,17 @@ class OtherLoad:
         return self
 
     def __exit__(self, *exc):
+        self.cores = self.so_far()
+        return False
+
+    def so_far(self) -> float | None:
+        """The cores others kept busy from the start until now (None: not measurable)."""
         wall0, busy0, own0 = self.start
         busy = _busy_cpu_seconds()
         wall = time.perf_counter() - wall0
         if busy is not None and busy0 is not None and wall >= 0.05:  # /proc/stat counts 10 ms ticks
-            self.cores = max(0.0, (busy - busy0) - (_own_cpu_seconds() - own0)) / wall
-        return False
+            return max(0.0, (busy - busy0) - (_own_cpu_seconds() - own0)) / wall
+        return None
 
     def summary(self) -> str:
         """One line for a benchmark's output: the warning, or how idle the machine stayed."""
@@ -190,7 +195,7 @@ class OtherLoad:
 def is_busy(other_cores: float | None) -> bool:
     """Other processes kept enough cores busy to move a measurement here: a quarter of the
     usable cores or more (half a core on 2: one spinning process slowed torch's two threads
-    2.5× on the CIFAR CNN, see free_threads)."""
+    2.5× on the CIFAR CNN: 790 images/s with 2 threads, 1,990 with 1, 1,880 quiet)."""
     return other_cores is not None and other_cores >= max(0.25 * usable_cores(), 0.3)
 
 
@@ -209,7 +214,7 @@ def other_cores_now(seconds: float = 0.15, since: OtherLoad | None = None) -> fl
 
 def default_threads() -> int:
     """torch's intra-op threads as this process first had them (what it goes back to when the
-    machine is quiet again; free_threads lowers them for a while)."""
+    machine is quiet again; a run's timed threads lower them for a while)."""
     import torch
 
     global _DEFAULT_THREADS
@@ -219,20 +224,6 @@ def default_threads() -> int:
 
 
 _DEFAULT_THREADS: int | None = None
-
-
-def free_threads(other_cores: float | None, threads: int | None = None) -> int:
-    """torch's intra-op threads for a machine where other processes keep `other_cores` busy:
-    `threads` (default: default_threads()) where it is quiet, else the cores left free, at
-    most `threads` and at least one.
-
-    A thread that shares its core with another program holds every parallel region up for the
-    rest: on 2 cores with one spinning process, the CIFAR CNN trained at 790 images/s with 2
-    threads and 1,990 with 1 (quiet: 1,880 with 2); with three spinning, 300 vs 980."""
-    threads = threads or default_threads()
-    if not is_busy(other_cores):
-        return threads
-    return max(1, min(threads, round(physical_cores() - other_cores)))
 
 
 # --- measured peaks ---------------------------------------------------------------------------
@@ -257,7 +248,7 @@ def machine_key(device) -> str:
 
     if device.type == "cuda":
         what = torch.cuda.get_device_name(device)
-    else:  # the threads this process runs with when quiet, not while free_threads has lowered them
+    else:  # the threads this process runs with when quiet, not while a run has lowered them
         what = f"{cpu_model()} x{default_threads()}"
     return f"{device.type}|{what}|torch {torch.__version__}"
 

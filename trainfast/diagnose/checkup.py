@@ -217,6 +217,7 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
                 sentence, bound = storage_sentence(read, times.data / max(times.batch_size, 1))
                 report.storage = {**read.to_dict(), "sentence": sentence, "storage_bound": bound}
         if try_fixes:
+            report.other_load = load.so_far()  # what the fixes' titles say; the whole run's replaces it below
             log("trying the fixes on the spot…")
             with _bar(progress, _TRIAL_STEPS, "trying fixes") as bar:
                 report.recommendations = _recommendations(net, report, dev, src, pk, log, bar)
@@ -322,17 +323,15 @@ def _recommendations(net, report: Report, dev, src, pk, log, bar) -> list[Recomm
             candidates.append((replace(speed, batch_size=bigger), f"batch size {bigger}",
                                f"--batch-size {bigger} (scale the learning rate with it)"))
         cores, threads = hardware.physical_cores(), torch.get_num_threads()
-        other = hardware.other_cores_now() if dev.type == "cpu" else None
-        fewer = hardware.free_threads(other, threads)
-        if fewer < threads:  # other programs hold cores: a thread sharing one holds up the rest (docs/TRAINING.md)
-            candidates.append((replace(speed, threads=fewer),
-                               f"{fewer} intra-op thread{'s' * (fewer != 1)} while other programs hold "
-                               f"{other:.1f} of {cores} cores",
-                               f"torch.set_num_threads({fewer})   (trainfast train sets its threads by the load "
-                               "itself, epoch by epoch)"))
-        elif dev.type == "cpu" and threads < cores:
+        if dev.type == "cpu" and threads < cores:
             candidates.append((replace(speed, threads=cores), f"{cores} intra-op threads",
                                f"torch.set_num_threads({cores})"))
+        elif dev.type == "cpu" and threads >= 2:  # timed, not inferred from the others' CPU use: a program
+            half = threads // 2  # at low priority yields its core; one at equal priority holds up a thread
+            busy = " while other programs keep cores busy (Cores, below)" if hardware.is_busy(report.other_load) else ""
+            candidates.append((replace(speed, threads=half), f"{half} intra-op thread{'s' * (half != 1)}{busy}",
+                               f"torch.set_num_threads({half})   (trainfast train times its threads itself, "
+                               "as it runs)"))
         bar.total += _TRIAL_STEPS * len(candidates)
         bar.refresh()
         for cand, title, action in candidates:

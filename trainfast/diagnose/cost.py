@@ -177,6 +177,18 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
     return cost
 
 
+def _flattened_map(cost: ModelCost, layer: LayerCost) -> tuple | None:
+    """The C×H×W map (H·W > 1) that `layer`'s flat input was made from: the nearest layer before
+    it with a 3-D output, where its size matches; None for a layer after a global pool."""
+    if len(layer.input_shape) != 1:
+        return None
+    before = cost.layers[:cost.layers.index(layer)]
+    shaped = next((l.output_shape for l in reversed(before) if len(l.output_shape) == 3), None)
+    if shaped and math.prod(shaped) == layer.input_shape[0] and shaped[1] * shaped[2] > 1:
+        return shaped
+    return None
+
+
 def structural_findings(cost: ModelCost) -> list[str]:
     """Findings about the model's shape, each with its one-line reason: what may keep it from
     learning (learning_findings), then what makes it costly."""
@@ -186,9 +198,11 @@ def structural_findings(cost: ModelCost) -> list[str]:
         share = big.params / cost.params
         if share >= 0.5 and big.params >= 100_000:
             flop_share = big.flops / max(cost.forward_flops, 1)
+            spatial = _flattened_map(cost, big)
             out.append(f"{big.name} ({big.kind}) holds {share:.0%} of the parameters ({big.params:,}) but "
-                       f"{flop_share:.1%} of the FLOPs: it dominates memory and overfitting risk, not time; "
-                       "global average pooling before the classifier removes most of it")
+                       f"{flop_share:.1%} of the FLOPs: it dominates memory and overfitting risk, not time"
+                       + (f"; it reads a flattened {'×'.join(map(str, spatial))} map: global average pooling "
+                          "before it removes most of it" if spatial else ""))
     convs = [l for l in cost.layers if l.kind == "Conv2d" and len(l.output_shape) == 3]
     c, h, w = cost.input_shape
     if convs and h * w >= 256 * 256:

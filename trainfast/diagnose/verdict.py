@@ -79,6 +79,11 @@ def verdict(times: StepTimes, roof: Roofline) -> Verdict:
         return Verdict("overhead-bound", "", f"overhead-bound: at batch {times.batch_size} the device reaches "
                        f"{roof.share_of_peak:.1%} of its measured peak; per-step overhead, not arithmetic, "
                        "sets the pace")
+    if roof.share_of_peak < OVERHEAD_SHARE_OF_PEAK:  # the model's own work, but not its arithmetic
+        return Verdict("compute-bound", "", f"compute-bound: data wait is {data_share:.0%} of the step; the model's "
+                       f"own work sets the pace, yet its arithmetic reaches only {roof.share_of_peak:.1%} of the "
+                       "device's measured peak: the time goes to memory traffic and per-layer work (depthwise or "
+                       "grouped convolutions, normalisation, activations) that FLOP counts do not show")
     return Verdict("compute-bound", "", f"compute-bound: data wait is {data_share:.0%} of the step; the "
                    f"model's arithmetic runs at {roof.share_of_peak:.0%} of the device's measured peak")
 

@@ -230,7 +230,8 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     threads = Threads(plan.dev.type == "cpu" and not plan.world.distributed and not cfg.deterministic
                       and not (speed and speed.threads) and not plan.pin.get("threads"), since=setup)
     chosen = _choose(plan, speed, tune, threads, progress)
-    threads.active = threads.active and not chosen.speed.threads  # tune's timing chose a count: it stands
+    if threads.active and chosen.speed.threads:  # the run times its own threads on its own steps, as the load moves
+        chosen.speed = replace(chosen.speed, threads=0)
     run, lr = _start(plan, chosen)
     watchers = [RateCheck(chosen.result, chosen.tried, plan.given, plan.train_pk, plan.pin, plan.n_train)
                 if chosen.result is not None and plan.world.is_main else None,

@@ -19,7 +19,8 @@ A candidate counts only if its loss on the same first batch, from the same weigh
 and within 5% of fp32's. Each timing runs at least `steps` steps and at least `min_seconds` of
 them, issued back to back and synchronised once, as training issues them. On CUDA the trials
 use cudnn.benchmark and a fused SGD, as fit does. Where other processes hold a CPU's cores,
-the tune times with the threads left free, says so, and does not cache its choice as the
+the tune also times half the threads (whether they yield their cores is not in their CPU
+share), says so, and does not cache its choice as the
 machine's (a busy tune once chose batch 4 and a quiet run reused it at a quarter of the speed).
 
 

@@ -50,7 +50,6 @@ class TuneResult:
     not_timed: list[str] = field(default_factory=list)  # settings the time budget left out
     budget_s: float | None = None
     other_cores: float | None = None  # cores other processes kept busy on average while it measured
-    threads: int | None = None  # the CPU threads it timed with, where the load made it fewer than the default
     key: str = ""  # its entry in the cache (forget drops it)
     short: str = ""  # why no search was made (a run too short for one to pay), in words; "" where one was
     candidate: Speed | None = None  # a short run's likeliest winner, left to the run's first steps (compare_in_run)
@@ -63,10 +62,8 @@ class TuneResult:
         """What the load was, in words, where the machine was busy; else ''."""
         if not self.busy:
             return ""
-        fewer = f"; timed with {self.threads} thread{'s' * (self.threads != 1)}, the cores left free" \
-            if self.threads else ""
         return (f"the machine was busy: other processes kept {self.other_cores:.1f} of its "
-                f"{hardware.usable_cores()} cores busy on average while tune measured{fewer}. The choice is not "
+                f"{hardware.usable_cores()} cores busy on average while tune measured. The choice is not "
                 "cached as this machine's: the next tune measures again")
 
     def __repr__(self) -> str:  # a notebook cell shows the table and the choice, not the dataclass

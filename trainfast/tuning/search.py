@@ -160,8 +160,9 @@ class Search:
 
 class CpuSearch(Search):
     """CPU: start at a batch whose step takes about START_STEP_S at most (start_batch_for); bf16
-    only where the CPU has bf16 instructions (step.check); then the threads, where torch uses
-    fewer than the physical cores and no other program holds the rest."""
+    only where the CPU has bf16 instructions (step.check); then the threads: all the physical
+    cores where torch uses fewer on a quiet machine; half of torch's where other programs hold
+    cores (timed: whether they yield their cores is not in their CPU share)."""
 
     precisions = ["bf16", "fp32"]
 
@@ -176,10 +177,14 @@ class CpuSearch(Search):
         return Speed("fp32", False, batch_size=start)
 
     def extra(self, best: Trial) -> Trial:
-        cores = hardware.physical_cores()
-        if self.busy or torch.get_num_threads() == cores:
+        cores, threads = hardware.physical_cores(), torch.get_num_threads()
+        if self.busy and threads >= 2:
+            other = threads // 2
+        elif not self.busy and threads < cores:
+            other = cores
+        else:
             return best
-        t = self.bench.run(replace(best.speed, threads=cores))
+        t = self.bench.run(replace(best.speed, threads=other))
         return t if self.bench.better(t, best) else best
 
 

@@ -104,9 +104,10 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     is not cached: a longer run searches.
 
     The load of other processes is measured before and during the search. On a CPU where they
-    hold cores, the search times with the threads left free (hardware.free_threads: a thread
-    sharing its core with another program holds up the rest), says so, and its choice is not
-    cached as this machine's: the next tune measures again.
+    hold cores, the search also times half the threads (a thread sharing its core with a program
+    at equal priority holds up the rest; one at low priority yields its core, so the load alone
+    cannot say), says so, and its choice is not cached as this machine's: the next tune
+    measures again.
     """
     try:
         dev = hardware.resolve_device(device)
@@ -146,26 +147,22 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
                                   settled=settled)
     threads = torch.get_num_threads()
     other = (other_cores if other_cores is not None else hardware.other_cores_now()) if dev.type == "cpu" else None
-    fewer = hardware.free_threads(other, threads) if dev.type == "cpu" else threads
-    fewer = fewer if fewer < threads else None
     cuda = dev.type == "cuda"
-    if fewer:
-        log(f"  other processes keep {other:.1f} of {hardware.usable_cores()} cores busy: timing with {fewer} "
-            f"thread{'s' * (fewer != 1)} (the cores left free), not {threads}")
+    if hardware.is_busy(other) and threads >= 2:  # timed, not assumed: a program at low priority yields its core
+        log(f"  other processes keep {other:.1f} of {hardware.usable_cores()} cores busy: {threads // 2} "
+            f"thread{'s' * (threads // 2 != 1)} will be timed beside {threads}")
     if hardware.is_busy(other):  # a compile's workers share the cores too (a bounded tune ran 71 s against 60)
         cores = hardware.usable_cores()
         bench.slowdown = cores / max(cores - other, 1.0)
     search = (CudaSearch if cuda else CpuSearch)(bench, batch_size=batch_size, max_batch=max_batch,
                                                      try_rewrites=try_rewrites, try_compile=try_compile, other=other)
     try:
-        if fewer:
-            torch.set_num_threads(fewer)
         short = budget.short_run(probe, bench, search, compare_in_run) if probe and planned_images and budget_share \
             else None
         if short:
             rows, trial, why, candidate = short  # no progress lines: the result's table, said next, has them
             loads = [r.other_cores for r in rows if r.other_cores is not None]
-            return TuneResult(trial.speed, rows, seconds=budget.clock() - bench.started, threads=fewer, key=key, short=why,
+            return TuneResult(trial.speed, rows, seconds=budget.clock() - bench.started, key=key, short=why,
                               other_cores=max(loads) if loads else None, candidate=candidate)
         log(f"tuning on {dev}: {'the batch that fills the GPU, then ' if cuda and not batch_size else ''}"
             f"precision × memory format{', rewrites' if try_rewrites else ''}, then batch size (up to {max_batch}), "
@@ -178,7 +175,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     not_timed = list(dict.fromkeys(bench.not_timed))  # a setting the budget skipped in several phases, once
     # A GPU's speed does not hang on other processes' CPU time as a CPU's does: its choice stands (the rows keep the load)
     result = TuneResult(best.speed, bench.rows, seconds=budget.clock() - bench.started, not_timed=not_timed,
-                        budget_s=bench.budget(), other_cores=None if cuda else load.cores, threads=fewer, key=key)
+                        budget_s=bench.budget(), other_cores=None if cuda else load.cores, key=key)
     entry = {"best": asdict(best.speed), "rows": [r.to_dict() for r in bench.rows], "other_cores": result.other_cores,
              "busy": result.busy}
     if not_timed:

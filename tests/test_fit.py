@@ -568,6 +568,12 @@ def test_cpu_threads_are_chosen_by_timing_the_runs_own_steps(digits_packs, tmp_p
     assert "threads 1 → 2: timed on the run's own steps (90.0 ms a step with 1, 50.0 ms with 2)" in said, said
     rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
     assert [float(row["threads"]) for row in rows] == [1, 2] and [float(r["other_cores"]) for r in rows] == [1.5, 1.5]
+    # issue 51.4: every decision by timing, in order, in speed.json, so that two runs can be compared
+    decisions = json.loads((tmp_path / "run" / "speed.json").read_text())["decisions"]
+    assert decisions == [
+        {"what": "settings", "chose": r.speed.label(), "by": "given (or resumed), or the defaults with the pins"},
+        {"what": "threads", "chose": 1, "was": 2, "step_ms": {"1": 50.0, "2": 100.0}, "epoch": 1},
+        {"what": "threads", "chose": 2, "was": 1, "step_ms": {"1": 90.0, "2": 50.0}, "epoch": 2}], decisions
 
 
 def _linear():
@@ -1156,6 +1162,11 @@ def test_a_short_runs_comparison_is_made_on_its_own_first_steps(digits_packs, tm
         assert switched == ([candidate.label()] if kept == candidate else [candidate.label(), ref.label()])
         assert any(m.startswith(f"first steps: {candidate.label()} ran") and m.endswith(kept.label()) for m in said)
         assert Speed(**json.loads((run / "config.json").read_text())["speed"]) == kept
+        decisions = json.loads((run / "speed.json").read_text())["decisions"]  # issue 51.4
+        assert [(d["what"], d["chose"]) for d in decisions][:2] == [("settings", ref.label()),
+                                                                   ("first steps", kept.label())], decisions
+        assert decisions[0]["by"] == "tune's timing; short run: no search"
+        assert set(decisions[1]["images_per_s"]) == {ref.label(), candidate.label()}
         assert [row["note"] for row in json.loads((run / "speed.json").read_text())["tried"]] == [
             "a quick timing", "the run's first steps", "the run's first steps"]
         assert all(p.is_contiguous() for p in net.parameters())  # given back in its own layout

@@ -12,16 +12,15 @@ from dataclasses import replace
 
 import torch
 
-from trainfast import hardware, units
+from trainfast import hardware, tuning, units
 from trainfast import step as _step
-from trainfast import tuning
 from trainfast.config import Speed, TrainConfig
 from trainfast.data.format import Pack
 from trainfast.errors import Detail, in_words
-from trainfast.train.optim import tail_scheduler
-from trainfast.train.rundir import record_speed
 from trainfast.train import run as loop
+from trainfast.train.optim import tail_scheduler
 from trainfast.train.run import Run, Watcher, moments_like_weights
+from trainfast.train.rundir import record_decision, record_speed
 from trainfast.train.speed import pays, timed_rate
 
 _now = time.perf_counter  # Threads' clock (tests give it one that knows the thread count)
@@ -61,6 +60,7 @@ class Threads:
         self.recent: collections.deque = collections.deque(maxlen=self.RECENT)  # the last steps' seconds
         self.trials = 0  # trials made; the first says what it kept even where nothing changed
         self.line = ""  # what the last trial found, said after the epoch's progress bar
+        self.decisions: list[dict] = []  # each trial's timings and choice, for speed.json (run.py writes them)
 
     @property
     def trial_steps(self) -> int:
@@ -135,6 +135,8 @@ class Threads:
         self.pace = med[keep]
         timed = f"{units.ms(med[fewer])} ms a step with {fewer}, {units.ms(med[more])} ms with {more}"
         self.trials += 1
+        self.decisions.append({"what": "threads", "chose": keep, "was": self.began_with,
+                               "step_ms": {str(n): round(1000 * t, 3) for n, t in sorted(med.items())}})
         if keep != self.began_with:
             self.line = Detail(f"threads {self.began_with} → {keep}: timed on the run's own steps ({timed})")
         elif self.trials == 1:
@@ -210,6 +212,9 @@ def retune(run: "Run", given: torch.nn.Module, pk: Pack, pin: dict, images: int,
     new = replace(result.best if "compile" in pin else pays(result.best, rows, images, say), **pin)
     new = replace(new, rewrites=new.rewrites or old.rewrites)
     took = time.perf_counter() - t
+    if run.world.is_main:
+        record_decision(run.run_dir, {"what": "re-tune", "epoch": run.state["epoch"] + 1, "chose": new.label(),
+                                      "was": old.label(), "images_per_s": timed_rate(rows, new.label())})
     if new.label() == old.label():
         say(f"re-tuned at batch {old.batch_size} in {took:.1f} s: {old.label()} is still the fastest setting here")
         return
@@ -315,6 +320,8 @@ class FirstSteps:
         self.tried.extend(self.timed.values())
         if run.world.is_main:
             record_speed(run.run_dir, run.speed, self.tried)
+            record_decision(run.run_dir, {"what": "first steps", "chose": run.speed.label(), "images_per_s": {
+                label: t["images_per_s"] for label, t in self.timed.items()}})
         return True
 
 

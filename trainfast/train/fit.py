@@ -322,6 +322,15 @@ def _choose(plan: Plan, speed: Speed | None, tune: bool, threads: Threads, progr
     return chosen
 
 
+def _chosen_by(chosen: Chosen) -> str:
+    """How the run's first setting was chosen, in words (speed.json's first decision)."""
+    if chosen.result is None:
+        return "given (or resumed), or the defaults with the pins"
+    how = "tune's cached choice" if chosen.result.cached else "tune's timing"
+    return how + (", then a race of the fastest batches" if chosen.raced else "") + \
+        (f"; short run: {chosen.result.short}" if chosen.result.short else "")
+
+
 def _start(plan: Plan, chosen: Chosen) -> tuple[Run, float]:
     """The run ready for its first step: the model prepared for its setting, the loaders, the
     learning rate, optimizer and schedule, the run directory's files (or the checkpoint it goes
@@ -360,7 +369,8 @@ def _start(plan: Plan, chosen: Chosen) -> tuple[Run, float]:
                                   "world_size": world.size, "lr": lr, "user_batch_size": plan.user_batch,
                                   "device": str(dev)},
                         {"speed": speed.to_dict(), "tried": chosen.tried, "raced": chosen.raced,
-                         "machine": hardware.describe(dev), "data_path": loader.describe()})
+                         "machine": hardware.describe(dev), "data_path": loader.describe(),
+                         "decisions": [{"what": "settings", "chose": speed.label(), "by": _chosen_by(chosen)}]})
     say(f"training {plan.name} on {plan.train_pk.path} ({loader.samples} images, {len(loader)} steps/epoch) on {dev} "
         f"with {speed.label()}{f' × {world.size} processes' if world.distributed else ''}, lr {lr:g}; run dir "
         f"{run_dir}")

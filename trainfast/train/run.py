@@ -27,6 +27,7 @@ from trainfast.train import checkpoint, distributed
 from trainfast.train.evaluate import evaluate, measure_batch_norm
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
 from trainfast.train.optim import tail_scheduler
+from trainfast.train.rundir import record_decision
 from trainfast.train.signals import Interrupts
 from trainfast.units import shell_arg
 
@@ -177,7 +178,9 @@ class Run:
             if line:
                 self.say(line)
         if self.threads is not None:
-            self.threads.line = ""
+            for decision in self.threads.decisions if self.world.is_main else ():
+                record_decision(self.run_dir, {**decision, "epoch": epoch + 1})
+            self.threads.line, self.threads.decisions = "", []
         images = (steps - done_before) * loader.batch_size * self.world.size
         row = _epoch_row(epoch, state["partial"], self.sched, time.perf_counter() - started, images, self.world)
         return {**row, "waited": waited}  # seconds the steps waited for batches (not a metrics.csv column)

@@ -119,6 +119,14 @@ def record_speed(run_dir: Path, speed: Speed, tried: list[dict] | None = None) -
         files.write_text(run_dir / name, json.dumps({**saved, "speed": speed.to_dict(), **extra}, indent=1))
 
 
+def record_decision(run_dir: Path, decision: dict) -> None:
+    """Add one decision the run made by timing (its threads, a first-steps comparison, a re-tune)
+    to speed.json's `decisions`, in order: two runs of the same call can be compared by them."""
+    saved = json.loads((run_dir / "speed.json").read_text())
+    saved["decisions"] = [*saved.get("decisions", []), decision]
+    files.write_text(run_dir / "speed.json", json.dumps(saved, indent=1))
+
+
 def empty(run_dir: Path) -> None:
     """Remove what a run wrote in `run_dir` (a start-over's: the directory was empty or new when
     the run began), and the temporaries of a save that was cut short."""

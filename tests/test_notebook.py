@@ -52,3 +52,22 @@ def test_a_notebook_renders_and_writes_nothing_to_stderr_but_progress(tmp_path):
     widgets = [o for cell in outs for o in cell if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert widgets, "progress bars should be notebook widgets (tqdm.auto with ipywidgets)"
     json.dumps(nb)  # the executed notebook is plain JSON, as a user would save it
+
+
+def test_without_ipywidgets_a_bar_is_one_updating_line():
+    """Issue 49.5: tqdm.auto, without ipywidgets, printed a warning and then each refresh as its own
+    stderr block (70+ lines an epoch in a saved notebook). trainfast's bar is one display output
+    that each refresh replaces: one line in the saved notebook, at its final state."""
+    cells = ["import sys\nsys.modules['ipywidgets'] = None  # as on a machine without it",
+             "from trainfast.datasets.plates import make_plates\n"
+             "make_plates('plates', count=120, seed=0, workers=1, progress=True)\nNone"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": tmp}}).execute()
+    outs = nb.cells[1].outputs
+    assert not [o for o in outs if o.get("name") == "stderr"], outs  # no warning, no stream of bars
+    shown = [o for o in outs if o["output_type"] == "display_data"]
+    assert len(shown) == 1 and len(outs) == 1, outs
+    text = shown[0]["data"]["text/plain"]
+    assert "making plates: 100%" in text and "120/120" in text and "\n" not in text.strip(), text

@@ -44,13 +44,15 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
 
 
 def run_chunks(src: Source, chunks: list[np.ndarray], cfg: PackConfig, build: Path, progress: bool) -> None:
-    from tqdm.auto import tqdm
+    from tqdm import std
+
+    from trainfast.progress import tqdm
 
     chunk_dir = build / "chunks"
     todo = [i for i in range(len(chunks)) if not (chunk_dir / f"{i:06d}.json").exists()]
     total = sum(len(c) for c in chunks)
     left = sum(len(chunks[i]) for i in todo)
-    tqdm.monitor_interval = 0  # no monitor thread alive when the pool forks
+    std.tqdm.monitor_interval = 0  # no monitor thread alive when the pool forks (the notebook bars' base too)
     bar = tqdm(total=total, initial=total - left, unit="img", desc="packing", disable=not progress,
                dynamic_ncols=True, smoothing=0.1)
     tasks = (chunk_task(src, i, chunks[i], cfg, chunk_dir) for i in todo)

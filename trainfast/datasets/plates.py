@@ -227,7 +227,7 @@ def _make(out: Path, count: int, seed: int, workers: int, progress: bool) -> Pat
     images_dir.mkdir(parents=True, exist_ok=True)
     step = max(50, -(-count // (workers * 8)))
     ranges = [(seed, s, min(s + step, count), str(images_dir)) for s in range(0, count, step)]
-    from tqdm.auto import tqdm
+    from trainfast.progress import tqdm
 
     bar = tqdm(total=count, unit="img", desc="making plates", disable=not progress)
     texts: list[tuple[str, str]] = []

@@ -248,7 +248,7 @@ _TRIAL_STEPS = 8  # steps of each fix's trial: 2 warm-up, 6 timed
 
 def _bar(progress: bool, total: int, desc: str):
     """A progress bar (a widget in a notebook, a line on stderr in a terminal) that vanishes when done."""
-    from tqdm.auto import tqdm
+    from trainfast.progress import tqdm
     return tqdm(total=total, desc=desc, unit="step", disable=not progress, leave=False)
 
 

@@ -141,7 +141,7 @@ class Run:
 
     def train_epoch(self, epoch: int, interrupts: Interrupts, progress: bool) -> dict:
         """The steps of `epoch` from where the loader stands; the epoch's training row."""
-        from tqdm.auto import tqdm
+        from trainfast.progress import tqdm
 
         state, loader, cfg = self.state, self.loader, self.cfg
         self.trained.train()  # a model handed over in eval mode trains in training mode (batch norm, dropout)

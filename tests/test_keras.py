@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 keras = pytest.importorskip("keras")
 
@@ -72,6 +73,11 @@ def test_a_keras_model_trains_on_a_pack_and_the_speed_doctor_reports(digits_pack
     assert hist.history["accuracy"][-1] > hist.history["accuracy"][0]
     assert len(printed) == 1 and "VERDICT" in printed[0] and "train step" in printed[0]
     assert len(doc.report.timed) == 4 and doc.report.model["params"] == model.count_params()
+    # issue 49.5: the backend's device, not the backend's name, and where to go next
+    device = "cpu" if not torch.cuda.is_available() else doc.report.system["device"]
+    assert doc.report.system["device"] == device and "batches drawn on ?" not in printed[0]
+    assert f"model on keras torch backend, {device}" in printed[0]
+    assert "trainfast.keras.tune(model, data)" in printed[0] or "trainfast doctor -- python" in printed[0]
 
 
 def test_missing_keras_says_how_to_install(monkeypatch):

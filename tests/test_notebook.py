@@ -59,8 +59,8 @@ def test_without_ipywidgets_a_bar_is_one_updating_line():
     stderr block (70+ lines an epoch in a saved notebook). trainfast's bar is one display output
     that each refresh replaces: one line in the saved notebook, at its final state."""
     cells = ["import sys\nsys.modules['ipywidgets'] = None  # as on a machine without it",
-             "from trainfast.datasets.plates import make_plates\n"
-             "make_plates('plates', count=120, seed=0, workers=1, progress=True)\nNone"]
+             ("from trainfast.datasets.plates import make_plates\n"
+              "make_plates('plates', count=120, seed=0, workers=1, progress=True)\nNone")]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:

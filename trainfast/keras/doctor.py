@@ -19,10 +19,10 @@ from trainfast import files, hardware, units
 from trainfast.diagnose.probes import keras_layers
 from trainfast.diagnose.recipe import Recipe, sample_pack
 from trainfast.diagnose.script import ScriptReport, Step
-from trainfast.diagnose.verdict import Recommendation
+from trainfast.diagnose.verdict import MODERATELY_INPUT_BOUND, Recommendation
 from trainfast.errors import TrainfastError
 from trainfast.keras.data import PackDataset
-from trainfast.keras.settings import batch_ends, tune
+from trainfast.keras.settings import backend_device, batch_ends, tune
 from trainfast.keras.threads import code as threads_code
 
 KERAS_TUNE_S = 30.0  # the script doctor's budget for timing Keras's own settings
@@ -64,14 +64,24 @@ class SpeedDoctor(keras.callbacks.Callback):
     def _finish(self, when: str):
         self._done = True
         layers, model = keras_layers(self.model)
-        system = {"device": keras.backend.backend(), "cpu": hardware.cpu_model(),
+        backend, device = keras.backend.backend(), backend_device()
+        system = {"device": device, "cpu": hardware.cpu_model(),
                   "physical_cores": hardware.physical_cores(), "usable_cores": hardware.usable_cores(),
                   "torch_threads": torch.get_num_threads(), "cuda_available": torch.cuda.is_available(),
                   "torch": torch.__version__}
-        self.report = ScriptReport(command=["keras", "fit"], framework="keras", stopped=when, steps=self._steps,
-                                   warmup=min(self.warmup, len(self._steps) - 1), system=system, layers=layers,
-                                   model=model, devices={"model": [f"keras {keras.backend.backend()} backend"]})
-        self.print_fn(self.report.text())
+        r = ScriptReport(command=["keras", "fit"], framework="keras", stopped=when, steps=self._steps,
+                         warmup=min(self.warmup, len(self._steps) - 1), system=system, layers=layers, model=model,
+                         devices={"model": [f"keras {backend} backend, {device}"],
+                                  "batches": [f"the host (Keras moves each to the {device} in its step)"
+                                              if device != "cpu" else "cpu"]})
+        input_bound = r.data_share >= MODERATELY_INPUT_BOUND
+        r.findings = [
+            "the batches hold back training: `trainfast doctor -- python your_script.py` names the functions the "
+            "data time goes to and measures the pack that replaces them" if input_bound else
+            "the train step sets the pace: `trainfast.keras.tune(model, data)` times Keras's own settings (precision "
+            "policy, jit_compile, steps_per_execution, batch, threads) on a copy of the model and prints the lines"]
+        self.report = r
+        self.print_fn(r.text())
 
 
 def _cores(result, usable: int) -> list[str]:

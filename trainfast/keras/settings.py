@@ -135,7 +135,7 @@ def tune(model, data, *, batch_sizes=None, max_seconds: float = 60.0, try_torch_
     base = KerasSetting(policy=_policy_name(model), jit_compile=getattr(model, "jit_compile", "auto"),
                         steps_per_execution=int(getattr(model, "steps_per_execution", 1) or 1),
                         batch_size=len(x))
-    backend, device = keras.backend.backend(), _device()
+    backend, device = keras.backend.backend(), backend_device()
     deadline = time.perf_counter() + max_seconds
     trials: list[KerasTrial] = []
     not_tried: list[str] = []
@@ -222,7 +222,7 @@ def _policy_name(model) -> str:
     return getattr(policy, "name", None) or keras.config.dtype_policy().name
 
 
-def _device() -> str:
+def backend_device() -> str:
     """'cpu', or 'gpu sm80' etc.: where this backend trains."""
     backend = keras.backend.backend()
     if backend == "torch":

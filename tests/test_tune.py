@@ -371,6 +371,9 @@ def test_a_busy_machine_has_fewer_threads_timed_said_and_not_cached(monkeypatch,
     assert r.best.threads == (1 if one_thread_gain > 1 else 0)  # 0: torch's own count
     assert r.busy and "the machine was busy: other processes kept 1.0 of its 2 cores" in r.table()
     assert any("1 thread will be timed beside 2" in m for m in said)
+    r = tune(_net(), (3, 8, 8), device="cpu", measure=measure, try_compile=False, try_threads=False, retune=True,
+             log=lambda m: None)  # fit's tune, where the run times its own threads: no count the run would drop
+    assert not any(t.speed.threads for t in r.rows)
     again = []
     r2 = tune(_net(), (3, 8, 8), device="cpu", measure=lambda *a: again.append(1) or measure(*a), try_compile=False,
               log=lambda m: None)

@@ -153,7 +153,7 @@ def find_recipe(probe, first) -> tuple[Recipe | None, str]:
                      f"({'symbols' if src.alphabet else 'classes'}): the model's last layer must match")
     scale = 255.0 if float(np.max(x)) > 1.5 else 1.0
     return Recipe(src, (h, w), c, _pack_name(src), reads, notes, labels, scale,
-                  getattr(probe, "data_origin", None)), ""
+                  probe.data_origin), ""
 
 
 def _source(probe, labels: Labels | None = None) -> tuple[Source | None, str, list[str]]:

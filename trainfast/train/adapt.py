@@ -207,6 +207,7 @@ def retune(run: "Run", given: torch.nn.Module, pk: Pack, pin: dict, images: int,
         result = tuning.tune(probe, (c, h, w), device=run.dev, batch_size=old.batch_size, planned_images=images,
                        budget_share=budget_share, try_compile=pin.get("compile", True),
                        try_rewrites="rewrites" not in pin, optimizer=run.cfg.optimizer, retune=True,
+                       try_threads=not (run.threads is not None and run.threads.active),
                        log=lambda m: None)
     rows = [r.to_dict() for r in result.rows]
     new = replace(result.best if "compile" in pin else pays(result.best, rows, images, say), **pin)

@@ -230,8 +230,6 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     threads = Threads(plan.dev.type == "cpu" and not plan.world.distributed and not cfg.deterministic
                       and not (speed and speed.threads) and not plan.pin.get("threads"), since=setup)
     chosen = _choose(plan, speed, tune, threads, progress)
-    if threads.active and chosen.speed.threads:  # the run times its own threads on its own steps, as the load moves
-        chosen.speed = replace(chosen.speed, threads=0)
     run, lr = _start(plan, chosen)
     watchers = [RateCheck(chosen.result, chosen.tried, plan.given, plan.train_pk, plan.pin, plan.n_train)
                 if chosen.result is not None and plan.world.is_main else None,
@@ -308,7 +306,7 @@ def _choose(plan: Plan, speed: Speed | None, tune: bool, threads: Threads, progr
         best, tried, front, result = tuned_speed(
             plan.net, plan.train_pk, dev, plan.pin, say if progress else (lambda m: None), say,
             images=plan.n_train, epochs=cfg.epochs, world_size=world.size, budget_share=cfg.tune_share,
-            optimizer=cfg.optimizer, other_cores=threads.at_start,
+            optimizer=cfg.optimizer, other_cores=threads.at_start, try_threads=not threads.active,
             compare_in_run=dev.type == "cpu" and world.size == 1 and not cfg.deterministic)
         chosen = Chosen(best, tried, result)
         if front and world.size == 1:  # NOTE: under torchrun the rule's batch stands: one race would need every rank

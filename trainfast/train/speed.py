@@ -48,7 +48,8 @@ def pays(best: Speed, rows: list, planned_images: int, say) -> Speed:
 
 def tuned_speed(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int, epochs: int,
            world_size: int = 1, budget_share: float = 0.0, optimizer: str = "adamw",
-           other_cores: float | None = None, compare_in_run: bool = False) -> tuple[Speed, list[dict], list, object]:
+           other_cores: float | None = None, compare_in_run: bool = False,
+           try_threads: bool = True) -> tuple[Speed, list[dict], list, object]:
     """The fastest settings tune measures for `net` on `pk`'s images, keeping what the user
     pinned: the batch bounded by the data (tuning.data_max_batch of this process's share of `images`),
     the tune's time by budget_share of the planned training, a larger batch only where it is
@@ -61,7 +62,7 @@ def tuned_speed(net, pk: Pack, dev, pin: dict, progress_log, say, *, images: int
     result = tuning.tune(net, (c, h, w), device=dev, batch_size=pin.get("batch_size"), max_batch=limit,
                    planned_images=per_process * epochs, budget_share=budget_share,
                    try_compile=pin.get("compile", True), try_rewrites="rewrites" not in pin, optimizer=optimizer,
-                   other_cores=other_cores, compare_in_run=compare_in_run, log=progress_log)
+                   try_threads=try_threads, other_cores=other_cores, compare_in_run=compare_in_run, log=progress_log)
     say(result.table())
     best, front = result.best, []
     if "batch_size" not in pin:

@@ -65,9 +65,10 @@ class Search:
 
     precisions: list[str]  # the likely winners first: under a tight budget they are the ones timed
 
-    def __init__(self, bench: Bench, *, batch_size, max_batch, try_rewrites, try_compile, other: float | None):
+    def __init__(self, bench: Bench, *, batch_size, max_batch, try_rewrites, try_compile, other: float | None,
+                 try_threads: bool = True):
         self.bench, self.pinned, self.max_batch = bench, batch_size, max_batch
-        self.try_rewrites, self.try_compile = try_rewrites, try_compile
+        self.try_rewrites, self.try_compile, self.try_threads = try_rewrites, try_compile, try_threads
         self.other, self.busy = other, hardware.is_busy(other)  # cores other processes held when the tune began
 
     def first_speed(self) -> Speed:
@@ -178,6 +179,8 @@ class CpuSearch(Search):
 
     def extra(self, best: Trial) -> Trial:
         cores, threads = hardware.physical_cores(), torch.get_num_threads()
+        if not self.try_threads:
+            return best
         if self.busy and threads >= 2:
             other = threads // 2
         elif not self.busy and threads < cores:

@@ -56,7 +56,7 @@ def _input_of(data) -> tuple[tuple[int, int, int], int | None]:
 def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | None = None,
          max_batch: int | None = None, images: int | None = None, planned_images: int | None = None,
          budget_share: float = 0.0, max_seconds: float | None = None, try_compile: bool = True,
-         try_rewrites: bool = True, optimizer: str = "adamw", retune: bool = False,
+         try_rewrites: bool = True, try_threads: bool = True, optimizer: str = "adamw", retune: bool = False,
          measure: Callable[..., Trial] | None = None, probe: Callable[..., Trial] | None = None,
          other_cores: float | None = None, compare_in_run: bool = False, log=print) -> TuneResult:
     """Find the fastest sound speed settings for training `model` on inputs (C, H, W).
@@ -83,6 +83,8 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
             minutes on a laptop CPU); what it leaves out is listed.
         try_compile: include torch.compile of the winner (slow to compile on CPU).
         try_rewrites: include the exact rewrite passes of trainfast.models.rewrite.
+        try_threads: on a CPU, time another thread count (fit leaves it out where the run times
+            its threads on its own steps, adapt.Threads).
         optimizer: the one the training will use (fit's default, "adamw"; "sgd", "rmsprop"):
             each timed step includes its update, whose cost per image falls as the batch grows.
         measure: replaces measure_trial (tests inject a fake clock here).
@@ -127,7 +129,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     forward_s = warm_forward_s(model, input_shape) if dev.type == "cpu" else None
     if try_rewrites and not rewrite.applies(model):
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
-    key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer))
+    key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer, try_threads))
     cache = hardware.read_cache("tune.json")
     if not retune and key in cache:
         kept = _cached(cache[key], key, dev, max_batch, planned_images, budget_share, max_seconds, log)
@@ -148,14 +150,14 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     threads = torch.get_num_threads()
     other = (other_cores if other_cores is not None else hardware.other_cores_now()) if dev.type == "cpu" else None
     cuda = dev.type == "cuda"
-    if hardware.is_busy(other) and threads >= 2:  # timed, not assumed: a program at low priority yields its core
+    if hardware.is_busy(other) and threads >= 2 and try_threads:  # timed, not assumed: a low-priority program yields
         log(f"  other processes keep {other:.1f} of {hardware.usable_cores()} cores busy: {threads // 2} "
             f"thread{'s' * (threads // 2 != 1)} will be timed beside {threads}")
     if hardware.is_busy(other):  # a compile's workers share the cores too (a bounded tune ran 71 s against 60)
         cores = hardware.usable_cores()
         bench.slowdown = cores / max(cores - other, 1.0)
     search = (CudaSearch if cuda else CpuSearch)(bench, batch_size=batch_size, max_batch=max_batch,
-                                                     try_rewrites=try_rewrites, try_compile=try_compile, other=other)
+                                                     try_rewrites=try_rewrites, try_compile=try_compile, try_threads=try_threads, other=other)
     try:
         short = budget.short_run(probe, bench, search, compare_in_run) if probe and planned_images and budget_share \
             else None

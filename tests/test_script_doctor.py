@@ -238,6 +238,9 @@ def test_a_keras_script_on_arrays_gets_its_settings_timed_and_the_cores_answer(t
     said = " ".join(r.findings) + " ".join(x.title for x in r.recommendations)
     assert "Keras's own settings" in said, r.findings
     cores = [f for f in r.findings if f.startswith("cores: Keras on torch trains with")]
+    if torch.cuda.is_available():  # Keras's torch backend trains on the GPU there: no CPU threads to answer for
+        assert not cores, cores
+        return
     n = torch.get_num_threads()
     assert cores and f"with {n} CPU thread" in cores[0], r.findings
     if n >= 2:  # half the threads timed on a copy of the model

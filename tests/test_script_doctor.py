@@ -362,7 +362,8 @@ def test_steps_must_be_positive():
 
 
 def _report_with(data_source, data_functions):
-    from trainfast.diagnose.script import ScriptReport, Step, _findings
+    from trainfast.diagnose.fixes import _findings
+    from trainfast.diagnose.script import ScriptReport, Step
     steps = [Step(seconds=0.1, data=0.03, batch_size=64) for _ in range(6)]
     system = {"device": "cpu", "usable_cores": 2, "torch_threads": 2, "cuda_available": False}
     r = ScriptReport(command=["python", "t.py"], framework="keras", stopped="", steps=steps, warmup=2,
@@ -381,7 +382,8 @@ def test_the_storage_of_the_images_the_script_read_is_measured(image_folder, tmp
     """The plate story's images sat on a network drive: the doctor reads the images the script
     read again, alone and cold, against the data time per image; a script that reads no image
     file (it moved to a pack) gets no storage line."""
-    from trainfast.diagnose.script import ScriptReport, Step, _storage_findings
+    from trainfast.diagnose.fixes import _storage_findings
+    from trainfast.diagnose.script import ScriptReport, Step
     system = {"device": "cpu", "usable_cores": 2, "torch_threads": 2, "cuda_available": False}
     files = sorted(str(p) for p in image_folder.rglob("*.jpg"))
 

@@ -84,6 +84,8 @@ class _Probe:
         self.tf_dataset = None  # a tf.data.Dataset given to Model.fit (timed on its own after the run)
         self.first_batch = None  # the first batch the data source gave (its shapes: the recipe's size and labels)
         self.data_origin = None  # recipe.Origin: where the script made its data source, and the name it holds
+        self.torch_loader = None  # the first DataLoader the script iterated (the doctor draws from it again)
+        self.keras_fit = None  # (x, y, batch_size) as the script gave them to Keras's fit
 
     def note_file(self, path: str):
         """The script opened `path` for reading (an image or a CSV): what it reads, for the recipe."""
@@ -269,6 +271,8 @@ def _install_torch(probe: _Probe, undo: list):
         probe.data_source = {"kind": "torch DataLoader", "num_workers": self.num_workers,
                              "pin_memory": self.pin_memory, "batch_size": self.batch_size,
                              "dataset": type(self.dataset).__name__}
+        if probe.torch_loader is None:
+            probe.torch_loader = self
         _note_origin(probe, self, sys._getframe(1))
         return _TimedIterator(original_iter(self), probe)
 
@@ -379,9 +383,11 @@ def _patch_keras(keras, probe: _Probe, undo: list):
         callbacks = list(kwargs.pop("callbacks", None) or [])
         kwargs["callbacks"] = callbacks + [_Doctor()]
         _note_origin(probe, x, sys._getframe(1))
+        y = args[0] if args else kwargs.get("y")
+        size = kwargs.get("batch_size") or (args[1] if len(args) > 1 and isinstance(args[1], int) else 32)
+        probe.keras_fit = probe.keras_fit or (x, y, size)
         if probe.first_batch is None and hasattr(x, "shape") and hasattr(x, "__getitem__"):
-            y = args[0] if args else kwargs.get("y")  # arrays: the first batch is theirs to show
-            size = kwargs.get("batch_size") or (args[1] if len(args) > 1 and isinstance(args[1], int) else 32)
+            # arrays: the first batch is theirs to show
             probe.first_batch = (x[:size], y[:size] if y is not None and hasattr(y, "__getitem__") else None)
         return original_fit(self, _wrap_keras_data(keras, x, probe), *args, **kwargs)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -276,17 +277,38 @@ def sample_pack(src: Source, size: tuple[int, int], channels: int, batch_size: i
 
 
 def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_size: int,
-                         data_name: str, device: str = "cpu", x=None) -> Recommendation:
-    """The Loader's time per batch on a pack of a sample of the script's files, in place of the
-    data wait (the data doctor's estimate of the same fix)."""
+                         data_name: str, device: str = "cpu", x=None, loader=None,
+                         budget_s: float = 15.0) -> Recommendation:
+    """The data wait with the Loader on a pack of a sample of the script's files in place of
+    `loader` (the script's own DataLoader), the two drawn in interleaved rounds, added to the
+    rest of the script's step (its time as the script ran). Without `loader`: the Loader's time
+    per batch against the wait the script saw."""
     from trainfast.data.loader import Loader
     from trainfast.diagnose.checkup import seconds_per_batch
+    from trainfast.diagnose.felt import ROUNDS, drawing, interleaved
 
+    rest = max(step_s - data_s, 0.0)
     with files.scratch("doctor") as tmp:
         pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
         n = len(pk)
-        per_batch = seconds_per_batch(Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True))
-    new = max(step_s - data_s, 0.0) + per_batch
+        ours = Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True)
+        if loader is not None:
+            k = int(min(16, max(2, budget_s / ((ROUNDS + 1) * max(data_s, 1e-3)))))
+
+            def per_image(draw):
+                return lambda: (rest * k + draw(k)) / (k * batch_size)
+            felt = interleaved(per_image(drawing(loader)), per_image(drawing(ours)), images=k * batch_size)[0]
+            gain, spread = felt.gain, felt.spread
+            per_batch = statistics.median(felt.new) * batch_size - rest
+            was = statistics.median(felt.current) * batch_size - rest
+            how = (f"a pack of {n} of your files loads a batch in {units.ms(per_batch)} ms; {data_name} took "
+                   f"{units.ms(was)} ms per batch, drawn in turns ({felt.words()}), and the script waited "
+                   f"{units.ms(data_s)} ms per step for it")
+        else:
+            per_batch = seconds_per_batch(ours)
+            gain, spread = step_s / max(rest + per_batch, 1e-9), None
+            how = (f"a pack of {n} of your files loads a batch in {units.ms(per_batch)} ms; the script waited "
+                   f"{units.ms(data_s)} ms per step for {data_name}")
     unit = x is not None and float(np.min(x)) >= 0 and float(np.max(x)) <= 1.5  # the script fed [0, 1] images
     call = f"Loader({recipe.out!r}, batch_size={batch_size}, device={device!r}" + \
         (", normalize=False" if unit else "") + ")"
@@ -296,6 +318,4 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
     return Recommendation(
         "Pack the images once, then stream the pack",
         f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {n}" for n in torch_notes(recipe)),
-        step_s / max(new, 1e-9), True,
-        f"a pack of {n} of your files loads a batch in {units.ms(per_batch)} ms; the script waited "
-        f"{units.ms(data_s)} ms per step for {data_name}; it reads {recipe.reads}")
+        gain, True, f"{how}; it reads {recipe.reads}", spread=spread)

@@ -85,7 +85,10 @@ def render_text(r) -> str:
 
 
 def _gain(rec) -> str:
-    return f"×{rec.speedup:.2f} {'measured' if rec.measured else 'estimate'}" if rec.speedup else ""
+    if not rec.speedup:
+        return ""
+    spread = f", ×{rec.spread[0]:.2f}–×{rec.spread[1]:.2f}" if rec.spread else ""
+    return f"×{rec.speedup:.2f} {'measured' if rec.measured else 'estimate'}{spread}"
 
 
 def recommendation_lines(recs) -> list[str]:

@@ -95,9 +95,22 @@ class Recommendation:
     speedup: float  # expected step-time ratio old/new
     measured: bool  # measured on the spot (True) or an estimate (False)
     evidence: str = ""
+    spread: tuple[float, float] | None = None  # the lowest and highest gain over interleaved rounds
+    builds_on: str = ""  # the title of the fix this one's gain assumes is made first
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def ranked(recs: list[Recommendation]) -> list[Recommendation]:
+    """Best gain first; a fix measured on top of another comes right after it."""
+    titles = {r.title for r in recs}
+    top = sorted((r for r in recs if r.builds_on not in titles), key=lambda r: -r.speedup)
+    out = []
+    for r in top:
+        out.append(r)
+        out += sorted((d for d in recs if d.builds_on == r.title), key=lambda d: -d.speedup)
+    return out
 
 
 def cores_sentence(r) -> str:

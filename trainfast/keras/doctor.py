@@ -16,16 +16,20 @@ import numpy as np
 import torch
 
 from trainfast import files, hardware, units
-from trainfast.diagnose.probes import keras_layers
+from trainfast.diagnose.fixes import batch_size, not_measured
+from trainfast.diagnose.probes import StopScript, keras_layers
 from trainfast.diagnose.recipe import Recipe, sample_pack
 from trainfast.diagnose.script import ScriptReport, Step
 from trainfast.diagnose.verdict import MODERATELY_INPUT_BOUND, Recommendation
-from trainfast.errors import TrainfastError
+from trainfast.errors import TrainfastError, in_words
 from trainfast.keras.data import PackDataset
+from trainfast.keras.feel import felt_gains, pack_feed, script_feed
 from trainfast.keras.settings import backend_device, batch_ends, tune
 from trainfast.keras.threads import code as threads_code
 
 KERAS_TUNE_S = 30.0  # the script doctor's budget for timing Keras's own settings
+FELT_S = 20.0  # and for feeding the script's model its own data and the fixes, in turns
+PACK_KERAS = "Pack the images once, then feed Keras from the pack"
 
 
 class SpeedDoctor(keras.callbacks.Callback):
@@ -106,62 +110,126 @@ def _cores(result, usable: int) -> list[str]:
 
 
 class KerasSide:
-    """What the script doctor asks of Keras (diagnose.script.framework_side)."""
+    """What the script doctor asks of Keras (diagnose.fixes.framework_side)."""
 
-    def settings(self, r: ScriptReport, model, first, log) -> list[str]:
-        """Keras's own speed settings timed on a copy of the script's model with its first batch
-        (`first`, from recipe.batch_images): a recommendation when one wins, else a finding that
-        says what was tried."""
+    def measure(self, r: ScriptReport, probe, first, recipe: Recipe | None, data_name: str, log) -> list[str]:
+        """Keras's own settings timed on a copy of the script's model with its first batch, then
+        the fixes (the pack of `recipe`, the settings that won) measured as the user will feel
+        them: the script's model fed from its own data and from the pack, and a copy with the
+        settings, in turns. Recommendations go into `r`; the findings are returned."""
+        model, bs, step = probe.keras_model, batch_size(r), r.mean("seconds")
+        result, findings = self._tune(r, model, first, log)
+        better = result.best.setting if result is not None and result.best is not result.base else None
+        with files.scratch("doctor") as tmp:
+            pack, pack_rec = None, None
+            if recipe is not None:
+                log(f"trainfast doctor: packing a sample of {recipe.reads} to measure the fix")
+                try:
+                    pack, pack_rec = self._pack(recipe, tmp, bs, first, data_name)
+                except StopScript:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the measurement is a bonus; the command stands without it
+                    pack_rec = not_measured(recipe, e, PACK_KERAS)
+            felt, why = {}, ""
+            source = script_feed(probe.keras_fit, probe.batches, bs)
+            if (pack is not None or better is not None) and source is not None:
+                log("trainfast doctor: feeding your model its own data and the fixes, in turns")
+                try:
+                    felt = felt_gains(model, source, pack, better, step, FELT_S)
+                except StopScript:
+                    raise
+                except Exception as e:  # noqa: BLE001 - fall back to the script's own step time
+                    why = f"the fixes could not be run in turns with your data ({in_words(e)})"
+            elif pack is not None or better is not None:
+                why = "your data could not be drawn again after the script stopped"
+            if pack_rec is not None:
+                if pack is not None:
+                    self._pack_gain(pack_rec, felt.get("pack"), model, pack(bs), step, data_name, recipe)
+                r.recommendations.append(pack_rec)
+        if better is not None:
+            r.recommendations.append(_settings_rec(r, result, felt.get("settings"), pack_rec if pack else None))
+        if why:
+            findings.append(f"{why}: the gains printed compare with the steps timed while the script ran, at "
+                            "another moment, so they may move with the machine's load")
+        return findings
+
+    @staticmethod
+    def _tune(r: ScriptReport, model, first, log):
+        """Keras's own settings timed on a copy of the model with the script's first batch (`first`,
+        from recipe.batch_images): the result (None: not timed) and the findings."""
         if first is None or first[1] is None:
-            return []
+            return None, []
         try:
             log(f"trainfast doctor: timing Keras's own settings on a copy of the model (up to {KERAS_TUNE_S:.0f} s)")
             result = tune(model, (first[0], first[1]), max_seconds=KERAS_TUNE_S, log=lambda m: None)
         except TrainfastError as e:
-            return [f"Keras's own settings were not timed: {e}"]
-        cores = _cores(result, r.system["usable_cores"])
-        left_out = f"; not tried: {', '.join(result.not_tried)}" if result.not_tried else ""
+            return None, [f"Keras's own settings were not timed: {e}"]
+        findings = _cores(result, r.system["usable_cores"])
         if result.best is result.base:
-            return [f"Keras's own settings, timed on a copy of the model: none beat {result.base.setting.label()} "
-                    f"by 5% (" + "; ".join(f"{t.setting.label()}: {units.rate(t.images_per_s)} images/s"
-                                           for t in result.trials if t.images_per_s) + f"){left_out}"] + cores
-        f = result.speedup
-        data, step = r.mean("data"), r.mean("seconds")
-        r.recommendations.append(Recommendation(
-            f"Keras's own settings: {result.best.setting.label()}", result.code(),
-            step / (data + max(step - data, 0.0) / f), True,
-            f"the train step alone, on a copy of your model with your batch: ×{f:.2f} "
-            f"({units.rate(result.base.images_per_s)} → {units.rate(result.best.images_per_s)} images/s)"
-            + ("; the whole step gains that once it no longer waits for data (the pack above)"
-               if r.recommendations else "") + left_out))
-        return cores
+            left_out = f"; not tried: {', '.join(result.not_tried)}" if result.not_tried else ""
+            findings.insert(0, f"Keras's own settings, timed on a copy of the model: none beat "
+                               f"{result.base.setting.label()} by 5% ("
+                            + "; ".join(f"{t.setting.label()}: {units.rate(t.images_per_s)} images/s"
+                                        for t in result.trials if t.images_per_s) + f"){left_out}")
+        return result, findings
 
-    def recommendation(self, recipe: Recipe, model, script_step_s: float, batch_size: int, data_name: str,
-                       x, y, max_seconds: float = 20.0) -> Recommendation:
-        """Feed the script's own Keras model from a pack of a sample of its files, with the pack's
-        own labels in the form the printed line gives them, for a few steps, and compare the step
-        time with the script's own (data wait included). Labels the model would not take are a
-        finding, not a gain."""
-        title = "Pack the images once, then feed Keras from the pack"
-        args = [repr(recipe.out), f"batch_size={batch_size}"] + ["one_hot=True"] * recipe.one_hot + \
+    @staticmethod
+    def _pack(recipe: Recipe, tmp, bs: int, first, data_name: str):
+        """A pack of a sample of the script's files: (its batches as a function of the batch size,
+        or None where its labels would not fit the model; the recommendation, gain to come)."""
+        args = [repr(recipe.out), f"batch_size={bs}"] + ["one_hot=True"] * recipe.one_hot + \
             [f"scale={recipe.scale:g}"] * (recipe.scale != 1.0)
         call = f"PackDataset({', '.join(args)})"
         code = f"from trainfast.keras import PackDataset\n{recipe.assign(call, data_name)}"
         action = f"{recipe.command}\n# then in the script:\n{code}" + "".join(f"\n# {n}" for n in recipe.notes)
-        with files.scratch("doctor") as tmp:
-            pk = sample_pack(recipe.source, recipe.size, recipe.channels, batch_size, tmp)
-            n = len(pk)
-            feed = PackDataset(pk, batch_size=min(batch_size, len(pk)), drop_last=True, one_hot=recipe.one_hot,
-                               scale=recipe.scale)
-            given = feed[0][1]
-            if y is not None and given.shape[1:] != y.shape[1:]:
-                return Recommendation(title, action, 0.0, False,
-                                      f"not measured: the pack's labels come as {given.shape[1:]} per image where the "
-                                      f"script gave {y.shape[1:]}; your model would not take them as they are")
-            steps = int(min(10, max(4, max_seconds / max(script_step_s, 1e-3)))) + 2
-            ends = batch_ends(model, lambda i: feed[i % len(feed)], steps)
-            step = statistics.median(np.diff(ends[1:])) if len(ends) > 3 else float("nan")
+        pk = sample_pack(recipe.source, recipe.size, recipe.channels, bs, tmp)
+
+        def batches(size: int):
+            size = min(size, len(pk))
+            return pack_feed(PackDataset(pk, batch_size=size, drop_last=True, one_hot=recipe.one_hot,
+                                         scale=recipe.scale), size)
+        given, y = batches(bs).next()[1], (first[1] if first is not None else None)
+        if y is not None and given.shape[1:] != y.shape[1:]:
+            return None, Recommendation(PACK_KERAS, action, 0.0, False,
+                                        f"not measured: the pack's labels come as {given.shape[1:]} per image where "
+                                        f"the script gave {y.shape[1:]}; your model would not take them as they are")
+        return batches, Recommendation(PACK_KERAS, action, 0.0, True, f"a pack of {len(pk)} of your files")
+
+    @staticmethod
+    def _pack_gain(rec: Recommendation, felt, model, feed, step_s: float, data_name: str, recipe: Recipe):
+        """The pack's gain into `rec`: as felt in turns with the script's data, else its steps
+        against the script's own (timed while the script ran)."""
+        if felt is not None:
+            cur, new = (statistics.median(v) * feed.batch_size for v in (felt.current, felt.new))
+            rec.speedup, rec.spread = felt.gain, felt.spread
+            rec.evidence = (f"your model fed from {rec.evidence}, with its labels: {units.ms(new)} "
+                            f"ms per step, against {units.ms(cur)} ms fed by {data_name} ({felt.words()}); "
+                            f"the script reads {recipe.reads}")
+            return
+        steps = int(min(10, max(4, 20.0 / max(step_s, 1e-3)))) + 2
+        ends = batch_ends(model, lambda i: feed.next(), steps)
+        step = statistics.median(np.diff(ends[1:])) if len(ends) > 3 else float("nan")
+        rec.speedup = step_s / step
+        rec.evidence = (f"your model fed from {rec.evidence}, with its labels: {units.ms(step)} ms "
+                        f"per step, against {units.ms(step_s)} ms with {data_name} as the script ran; "
+                        f"the script reads {recipe.reads}")
+
+
+def _settings_rec(r: ScriptReport, result, felt, pack: Recommendation | None) -> Recommendation:
+    """The settings tune chose: their gain as felt (on top of the pack, where there is one), else
+    the step's share that is not data wait sped up by tune's factor."""
+    f = result.speedup
+    left_out = f"; not tried: {', '.join(result.not_tried)}" if result.not_tried else ""
+    alone = (f"the train step alone, on a copy of your model with your batch: ×{f:.2f} "
+             f"({units.rate(result.base.images_per_s)} → {units.rate(result.best.images_per_s)} images/s)")
+    title = f"Keras's own settings: {result.best.setting.label()}"
+    if felt is not None:
+        on = "fed from the pack above, " if pack is not None else ""
         return Recommendation(
-            title, action, script_step_s / step, True,
-            f"your model fed from a pack of {n} of your files, with its labels: {units.ms(step)} ms per step, "
-            f"against {units.ms(script_step_s)} ms with {data_name}; the script reads {recipe.reads}")
+            title + (", on top of the pack" if pack is not None else ""), result.code(), felt.gain, True,
+            f"a copy of your model with these settings, {on}against your model fed by your data as it is: "
+            f"{felt.words()}; {alone}{left_out}", spread=felt.spread, builds_on=pack.title if pack else "")
+    data, step = r.mean("data"), r.mean("seconds")
+    return Recommendation(title, result.code(), step / (data + max(step - data, 0.0) / f), True,
+                          alone + ("; the whole step gains that once it no longer waits for data (the pack above)"
+                                   if pack is not None else "") + left_out)

@@ -278,7 +278,8 @@ def _copy(model, policy: str):
     return copy
 
 
-def _compiled(model, setting: KerasSetting):
+def copy_with(model, setting: KerasSetting):
+    """A copy of `model` (same weights, optimizer and loss) compiled with `setting`."""
     copy = _copy(model, setting.policy)
     copy.compile(optimizer=model.optimizer.__class__.from_config(model.optimizer.get_config()), loss=model.loss,
                  jit_compile=setting.jit_compile, steps_per_execution=setting.steps_per_execution)
@@ -286,7 +287,7 @@ def _compiled(model, setting: KerasSetting):
 
 
 def _loss(model, policy: str, x, y) -> float:
-    return _batch_loss(_compiled(model, KerasSetting(policy=policy)), x, y)
+    return _batch_loss(copy_with(model, KerasSetting(policy=policy)), x, y)
 
 
 def _batch_loss(model, x, y) -> float:
@@ -295,9 +296,10 @@ def _batch_loss(model, x, y) -> float:
     return float(out[0] if isinstance(out, (list, tuple)) else out)
 
 
-def batch_ends(model, batch, n: int) -> list[float]:
-    """`model.fit` over `n` batches `batch(i)` for one epoch; the time each execution ended (a
-    step, or steps_per_execution of them): their differences are the step times."""
+def batch_ends(model, batch, n: int, workers: int = 1) -> list[float]:
+    """`model.fit` over `n` batches `batch(i)` for one epoch (made on `workers` threads); the time
+    each execution ended (a step, or steps_per_execution of them): their differences are the
+    step times."""
     ends: list[float] = []
 
     class Ends(keras.callbacks.Callback):
@@ -305,6 +307,9 @@ def batch_ends(model, batch, n: int) -> list[float]:
             ends.append(time.perf_counter())
 
     class Feed(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=workers)
+
         def __len__(self):
             return n
 
@@ -325,7 +330,7 @@ def _trial(model, setting: KerasSetting, x, y, losses: dict, deadline: float, mi
 def _timed(trial: KerasTrial, model, setting: KerasSetting, x, y, losses: dict, deadline: float,
            min_seconds: float) -> KerasTrial:
     try:
-        copy = _compiled(model, setting)
+        copy = copy_with(model, setting)
         if setting.policy not in losses:
             losses[setting.policy] = _batch_loss(copy, x, y)
         trial.loss = losses[setting.policy]

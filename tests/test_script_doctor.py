@@ -116,6 +116,12 @@ def test_keras_sequence_with_skimage_is_input_bound_and_the_culprit_is_named(tmp
     # script's labels (8 characters of 36, not the font's 6 classes), the line to change, measured
     rec = r.recommendations[0]
     assert rec.title.startswith("Pack the images once") and rec.measured and rec.speedup > 1.2, rec
+    # measured as felt: the script's own Sequence and the pack fed to its model in turns, the rounds' range shown
+    assert rec.spread[0] <= rec.speedup <= rec.spread[1] and "interleaved rounds" in rec.evidence, rec.evidence
+    assert "fed by PlateGenerator(...)" in rec.evidence
+    after = r.recommendations[1:2]  # Keras's settings, if any won, are measured on top of the pack: right after it
+    assert all(a.builds_on == rec.title and a.title.endswith("on top of the pack") for a in after
+               if a.title.startswith("Keras's own settings")), after
     command = rec.action.splitlines()[0]
     out = f"{plates_dir.name}.pack"  # named after the CSV's folder
     assert command == f"trainfast pack {plates_dir / 'labels.csv'} {out} --size 64x128 --label-column plate"
@@ -488,6 +494,7 @@ def test_a_pytorch_script_reading_class_folders_gets_the_folder_pack_command(tmp
     assert r.framework == "pytorch" and r.data_share >= 0.2, r.verdict
     rec = r.recommendations[0]
     assert rec.title == "Pack the images once, then stream the pack" and rec.measured and rec.speedup > 1
+    assert rec.spread[0] <= rec.speedup <= rec.spread[1] and "drawn in turns" in rec.evidence, rec.evidence
     assert shlex.split(rec.action.splitlines()[0]) == ["trainfast", "pack", str(image_folder), "photos.pack",
                                                        "--size", "32x40"]
     assert "Loader('photos.pack', batch_size=4" in rec.action and "2 class folders" not in rec.evidence
@@ -710,3 +717,63 @@ def test_the_pack_command_pastes_after_a_chdir_and_for_odd_folder_names(tmp_path
     assert p.returncode == 0, p.stderr[-1000:]
     pk = Pack(tmp_path / "data" / f"{odd}.pack")  # named after the folder, beside where the user is
     assert len(pk) == 24 and pk.classes == ["cat", "dog"]
+
+
+SLOWING = '''
+import time
+import numpy as np
+import keras
+from keras import layers
+
+
+class Slowing(keras.utils.PyDataset):  # each batch takes longer than the last, as a draining prefetch buffer would
+    calls = 0
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        Slowing.calls += 1
+        time.sleep(0.01 * Slowing.calls)
+        return np.zeros((8, 8, 8, 3), np.float32), np.zeros(8, np.int64)
+
+
+model = keras.Sequential([keras.Input((8, 8, 3)), layers.Flatten(), layers.Dense(2)])
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(Slowing(), epochs=1, verbose=0)
+'''
+
+EPOCHS = '''
+import numpy as np
+import keras
+from keras import layers
+
+x, y = np.zeros((256, 8, 8, 3), np.float32), np.zeros(256, np.int64)
+model = keras.Sequential([keras.Input((8, 8, 3)), layers.Flatten(), layers.Dense(2)])
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model.fit(x, y, batch_size=64, epochs=5, verbose=0)
+'''
+
+
+def test_steps_that_slow_down_as_the_script_runs_are_said_with_the_pace_to_trust(tmp_path):
+    pytest.importorskip("keras")
+    r = doctor_script(["python", str(_script(tmp_path, SLOWING))], steps=9, fixes=False, log=lambda m: None)
+    assert r.steps_per_epoch == 64 and "an epoch of 64 steps:" in r.text()
+    slowed = [f for f in r.findings if f.startswith("the steps slowed down as the script ran")]
+    assert slowed and "trust the last steps" in slowed[0], r.findings
+
+
+def test_whole_epochs_seen_in_the_run_are_recorded_and_compared_with_the_timed_step(tmp_path):
+    """Keras's epochs of 4 steps: those that began after the warm-up and ended before the stop."""
+    pytest.importorskip("keras")
+    from dataclasses import replace
+
+    from trainfast.diagnose.script_report import pace_findings
+
+    r = doctor_script(["python", str(_script(tmp_path, EPOCHS))], steps=12, fixes=False, log=lambda m: None)
+    assert r.steps_per_epoch == 4 and [steps for _, steps in r.epochs] == [4, 4], r.epochs
+    step = r.mean("seconds")
+    slow = replace(r, epochs=[(4 * 3 * step, 4)], findings=[])  # as if each epoch's steps took 3× the timed ones
+    said = [f for f in pace_findings(slow) if f.startswith("a whole epoch of the script took")]
+    assert said and "×3.00 the" in said[0] and "Trust the epoch" in said[0], said
+    assert not [f for f in pace_findings(replace(r, epochs=[(4 * step, 4)])) if f.startswith("a whole epoch")]

@@ -41,3 +41,13 @@ def minutes(m: float) -> str:
     if m < 1:
         return f"{60 * m:.3g} s"
     return f"{m:.3g} minute{'s' * (m != 1)}"
+
+
+def duration(s: float) -> str:
+    """A wall time in words: '8.4 s', '12 min', '3 h 05 min'."""
+    if s < 60:
+        return f"{s:.2g} s" if s < 10 else f"{s:.0f} s"
+    if s < 3600:
+        return f"{s / 60:.0f} min"
+    h, m = divmod(round(s / 60), 60)
+    return f"{h} h {m:02d} min"

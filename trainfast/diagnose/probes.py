@@ -86,6 +86,8 @@ class _Probe:
         self.data_origin = None  # recipe.Origin: where the script made its data source, and the name it holds
         self.torch_loader = None  # the first DataLoader the script iterated (the doctor draws from it again)
         self.keras_fit = None  # (x, y, batch_size) as the script gave them to Keras's fit
+        self.epoch_starts: list[tuple[float, int]] = []  # (time, steps so far) as each training epoch began
+        self.steps_per_epoch: int | None = None
 
     def note_file(self, path: str):
         """The script opened `path` for reading (an image or a CSV): what it reads, for the recipe."""
@@ -115,6 +117,11 @@ class _Probe:
         if len(self.steps) >= self.max_steps:
             raise StopScript("stopped after the requested steps")
         self.check_time()
+
+    def epoch_start(self, steps_per_epoch: int | None = None):
+        """A training epoch begins (a Keras epoch, the training DataLoader iterated again)."""
+        self.epoch_starts.append((time.perf_counter(), len(self.steps)))
+        self.steps_per_epoch = self.steps_per_epoch or steps_per_epoch
 
     def check_time(self):
         if time.perf_counter() > self.deadline:
@@ -273,6 +280,8 @@ def _install_torch(probe: _Probe, undo: list):
                              "dataset": type(self.dataset).__name__}
         if probe.torch_loader is None:
             probe.torch_loader = self
+        if _same_data(self, probe.torch_loader):  # the training data again: an epoch begins
+            probe.epoch_start(_length(self))
         _note_origin(probe, self, sys._getframe(1))
         return _TimedIterator(original_iter(self), probe)
 
@@ -374,6 +383,9 @@ def _patch_keras(keras, probe: _Probe, undo: list):
     original_fit = Model.fit
 
     class _Doctor(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            probe.epoch_start(self.params.get("steps") if self.params else None)
+
         def on_train_batch_end(self, batch, logs=None):
             probe.boundary(probe.cur.batch_size)
 
@@ -413,6 +425,20 @@ def _patch_keras(keras, probe: _Probe, undo: list):
 
         utils.image_dataset_from_directory = image_dataset_from_directory
         undo.append(lambda: setattr(utils, "image_dataset_from_directory", original_ifd))
+
+
+def _same_data(loader, first) -> bool:
+    """The training DataLoader again, or one made anew each epoch over the same kind and number
+    of examples (a validation set differs in one or the other, as a rule)."""
+    a, b = loader.dataset, first.dataset
+    return a is b or (type(a) is type(b) and _length(a) == _length(b) and _length(loader) == _length(first))
+
+
+def _length(obj) -> int | None:
+    try:
+        return len(obj) or None
+    except TypeError:  # an iterable dataset, a generator: no length
+        return None
 
 
 def _note_origin(probe: _Probe, data, frame):

@@ -44,7 +44,12 @@ from trainfast.diagnose.probes import (
     _tensors,
     _torch_layers,
 )
-from trainfast.diagnose.script_report import SCHEMA_VERSION, ScriptReport, stage_parts  # noqa: F401 - the public names
+from trainfast.diagnose.script_report import (  # noqa: F401 - the public names
+    SCHEMA_VERSION,
+    ScriptReport,
+    pace_findings,
+    stage_parts,
+)
 from trainfast.errors import TrainfastError
 
 OVERRUN_S = 10.0  # how long past its time limit a script that ignores the stop may run before the watchdog ends it
@@ -220,7 +225,8 @@ def _report(command, probe: _Probe, stopped: str, error: str, log=print, fixes: 
                      warmup=min(probe.warmup, max(len(probe.steps) - 1, 0)), system=system,
                      data_source=probe.data_source,
                      devices={k: sorted(v) for k, v in probe.devices.items()}, batches_drawn=probe.batches,
-                     data_functions=probe.top("data"), error=error, seconds=time.perf_counter() - probe.started)
+                     data_functions=probe.top("data"), error=error, seconds=time.perf_counter() - probe.started,
+                     steps_per_epoch=probe.steps_per_epoch, epochs=_epochs(probe))
     if probe.tf_dataset is not None and r.timed:
         _time_dataset_alone(probe, len(r.timed))
     if probe.generator_times:
@@ -242,7 +248,14 @@ def _report(command, probe: _Probe, stopped: str, error: str, log=print, fixes: 
     from trainfast.diagnose.recipe import batch_images
     first = batch_images(probe.first_batch, r.framework) if probe.first_batch is not None else None
     measure(r, probe, first, log, fixes)
+    r.findings += pace_findings(r)
     return r
+
+
+def _epochs(probe: _Probe) -> list[tuple[float, int]]:
+    """(seconds, steps) of each whole training epoch the run saw that began after the warm-up."""
+    return [(t1 - t0, s1 - s0) for (t0, s0), (t1, s1) in zip(probe.epoch_starts, probe.epoch_starts[1:])
+            if s0 >= probe.warmup and s1 - s0 >= 2]
 
 
 def _time_dataset_alone(probe: _Probe, batches: int, max_seconds: float = 10.0):

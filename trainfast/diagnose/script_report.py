@@ -37,6 +37,8 @@ class ScriptReport:
     other_cores: float | None = None
     error: str = ""  # the script's own traceback, when it failed
     seconds: float = 0.0
+    steps_per_epoch: int | None = None
+    epochs: list[tuple[float, int]] = field(default_factory=list)  # (seconds, steps) of whole epochs seen, after warm-up
 
     @property
     def timed(self) -> list[Step]:
@@ -92,6 +94,38 @@ def _si(x: float) -> str:
     return f"{x:.0f} "
 
 
+PACE_APART = 1.5  # the script's epoch or its later steps this far from the timed step: the report says so
+
+
+def pace_findings(r: ScriptReport) -> list[str]:
+    """Where the timed step may not be what a whole epoch feels like: a whole epoch seen in the
+    run at another pace, or steps that slowed down (or sped up) as the run went on."""
+    if not r.timed:
+        return []
+    step, out = r.mean("seconds"), []
+    for seconds, steps in r.epochs[:1]:
+        per_step = seconds / steps
+        ratio = per_step / step
+        if ratio > PACE_APART or ratio < 1 / PACE_APART:
+            out.append(f"a whole epoch of the script took {seconds:.1f} s for {steps} steps, {units.ms(per_step)} ms per "
+                       f"step: ×{ratio:.2f} the {units.ms(step)} ms the timed steps give. Trust the epoch for how long "
+                       "training takes: it counts what happens between the steps (validation, callbacks, saving, the "
+                       "data's start each epoch); the timed steps say where the time inside a step goes")
+    thirds = len(r.timed) // 3
+    if thirds >= 2:
+        first = sum(s.seconds for s in r.timed[:thirds]) / thirds
+        last = sum(s.seconds for s in r.timed[-thirds:]) / thirds
+        if last > PACE_APART * first or first > PACE_APART * last:
+            how = ("slowed down" if last > first else "sped up")
+            out.append(f"the steps {how} as the script ran: {units.ms(first)} ms each in the first {thirds} timed, "
+                       f"{units.ms(last)} ms in the last {thirds}. An epoch runs at the later pace"
+                       + (" or slower (a prefetch buffer or a cache running out, files read cold)" if last > first else
+                          " (the first steps still warmed up)")
+                       + ": trust the last steps, and run the doctor longer (--seconds, --steps) to see where "
+                       "the pace settles")
+    return out
+
+
 def stage_parts(r: ScriptReport) -> list[tuple[str, float]]:
     """(stage, mean seconds per step) as far as the script's framework lets them be told apart."""
     parts = [("data wait", r.mean("data"))]
@@ -140,7 +174,9 @@ def render_text(r: ScriptReport) -> str:
         step = r.mean("seconds")
         bs = Counter(s.batch_size for s in r.timed).most_common(1)[0][0]  # not the epoch's short last batch
         rate = f"; {units.rate(bs / step)} images/s at batch {bs}" if bs else ""
-        lines.append(f"         {units.ms(step)} ms per step{rate}")
+        epoch = (f"; an epoch of {r.steps_per_epoch:,} steps: {units.duration(step * r.steps_per_epoch)} at this pace"
+                 if r.steps_per_epoch else "")
+        lines.append(f"         {units.ms(step)} ms per step{rate}{epoch}")
         lines += ["", "Where the time goes (mean per step)"]
         for name, v in stage_parts(r):
             share = v / step if step else 0.0

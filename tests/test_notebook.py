@@ -2,6 +2,7 @@
 numpy arrays, executed with nbclient. Outputs are checked by stream and MIME type."""
 
 import json
+import os
 
 import pytest
 
@@ -71,3 +72,89 @@ def test_without_ipywidgets_a_bar_is_one_updating_line():
     assert len(shown) == 1 and len(outs) == 1, outs
     text = shown[0]["data"]["text/plain"]
     assert "making plates: 100%" in text and "120/120" in text and "\n" not in text.strip(), text
+
+
+BROWSER_CELLS = [
+    "import sys\nsys.modules['ipywidgets'] = None  # a notebook without the widgets",
+    """import numpy as np, torch, trainfast
+from trainfast.datasets.digits import load_digits
+x, y, _ = load_digits(32)
+pk = trainfast.pack((x[:300], y[:300]), "nb.pack", progress=True)""",
+    """net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(10))
+trainfast.tune(net, pk, device="cpu", max_seconds=4, try_compile=False)""",
+    """import keras
+from trainfast.keras import SpeedDoctor
+model = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(8, 3), keras.layers.Flatten(),
+                          keras.layers.Dense(10)])
+model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+xk = np.random.default_rng(0).random((256, 32, 32, 3), dtype=np.float32)
+model.fit(xk, y[:256], batch_size=32, epochs=1, verbose=0, callbacks=[SpeedDoctor()])
+None""",
+]
+
+
+def _chromium() -> str | None:
+    import shutil
+    return next((p for p in map(shutil.which, ("chromium-headless-shell", "chromium", "chromium-browser",
+                                              "google-chrome")) if p), None)
+
+
+@pytest.mark.slow
+def test_the_saved_notebook_reads_right_in_a_browser(tmp_path, monkeypatch):
+    """Issue 49.5, as a user sees it: the executed notebook exported to HTML by nbconvert and
+    rendered by headless Chromium. One line of progress per bar, the tune table in one monospace
+    block, SpeedDoctor naming its device and its advice, no torch._dynamo warning."""
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("no headless Chromium here (apt-get install chromium-headless-shell): the notebook's HTML "
+                    "was not rendered in a browser")
+    nbconvert = pytest.importorskip("nbconvert")
+    import subprocess
+    from html.parser import HTMLParser
+
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in BROWSER_CELLS])
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    page, _ = nbconvert.HTMLExporter().from_notebook_node(nb)
+    (tmp_path / "nb.html").write_text(page)
+    if os.environ.get("TRAINFAST_KEEP_HTML"):  # to look at it: the page and a screenshot
+        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,2400",
+                        f"--screenshot={os.environ['TRAINFAST_KEEP_HTML']}", (tmp_path / "nb.html").as_uri()],
+                       capture_output=True, timeout=120)
+    dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          (tmp_path / "nb.html").as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert "</html>" in dom, dom[-500:]
+
+    class Text(HTMLParser):  # the text a reader sees, and the blocks of preformatted text
+        def __init__(self):
+            super().__init__()
+            self.text, self.pre, self.depth, self.skip = [], [], 0, 0
+
+        def handle_starttag(self, tag, attrs):
+            self.skip += tag in ("script", "style")
+            if tag == "pre":
+                self.depth += 1
+                self.pre.append("")
+
+        def handle_endtag(self, tag):
+            self.skip -= tag in ("script", "style")
+            self.depth -= tag == "pre"
+
+        def handle_data(self, data):
+            if not self.skip:
+                self.text.append(data)
+                if self.depth:
+                    self.pre[-1] += data
+
+    seen = Text()
+    seen.feed(dom)
+    text = "".join(seen.text)
+    assert "graph break" not in text.lower() and "torch._dynamo" not in text and "TqdmWarning" not in text
+    bars = [line for line in text.splitlines() if "packing" in line and "%" in line]
+    assert len(bars) == 1 and "100%" in bars[0], bars  # one line, at its end state
+    table = next(p for p in seen.pre if "TuneResult" in p)
+    rows = [line for line in table.splitlines() if line[:4].strip().isdigit()]
+    assert rows and len({line.index("×") for line in rows if "×" in line}) == 1, table  # the columns line up
+    doctor = next(p for p in seen.pre if "VERDICT" in p)
+    assert "device cpu" in doctor and "batches drawn on ?" not in doctor and "tune(model, data)" in doctor, doctor

@@ -20,7 +20,7 @@ from trainfast.diagnose.fixes import batch_size, not_measured
 from trainfast.diagnose.probes import StopScript, keras_layers
 from trainfast.diagnose.recipe import Recipe, sample_pack
 from trainfast.diagnose.script import ScriptReport, Step
-from trainfast.diagnose.verdict import MODERATELY_INPUT_BOUND, Recommendation
+from trainfast.diagnose.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUND, Recommendation
 from trainfast.errors import TrainfastError, in_words
 from trainfast.keras.data import PackDataset
 from trainfast.keras.feel import felt_gains, pack_feed, script_feed
@@ -78,12 +78,16 @@ class SpeedDoctor(keras.callbacks.Callback):
                          devices={"model": [f"keras {backend} backend, {device}"],
                                   "batches": [f"the host (Keras moves each to the {device} in its step)"
                                               if device != "cpu" else "cpu"]})
-        input_bound = r.data_share >= MODERATELY_INPUT_BOUND
-        r.findings = [
-            "the batches hold back training: `trainfast doctor -- python your_script.py` names the functions the "
-            "data time goes to and measures the pack that replaces them" if input_bound else
-            "the train step sets the pace: `trainfast.keras.tune(model, data)` times Keras's own settings (precision "
-            "policy, jit_compile, steps_per_execution, batch, threads) on a copy of the model and prints the lines"]
+        data = ("the batches hold back training: `trainfast doctor -- python your_script.py` names the functions "
+                "the data time goes to and measures the pack that replaces them")
+        step = ("the train step sets the pace: `trainfast.keras.tune(model, data)` times Keras's own settings "
+                "(precision policy, jit_compile, steps_per_execution, batch, threads) on a copy of the model and "
+                "prints the lines")
+        if r.data_share >= HIGHLY_INPUT_BOUND:
+            r.findings = [data]
+        else:
+            r.findings = [step] + ([f"{r.data_share:.0%} of each step waits for the next batch: " + data.split(": ", 1)[1]]
+                                   if r.data_share >= MODERATELY_INPUT_BOUND else [])
         self.report = r
         self.print_fn(r.text())
 

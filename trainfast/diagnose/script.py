@@ -37,13 +37,11 @@ from trainfast.diagnose.probes import (
     StopScript,
     _install_open_watch,
     _install_torch,
-    keras_layers,
-    _KerasWatcher,
-    _patch_keras,
     _Probe,
     _tensors,
     _torch_layers,
 )
+from trainfast.diagnose.keras_probes import _KerasWatcher, _patch_keras, keras_layers
 from trainfast.diagnose.script_report import (  # noqa: F401 - the public names
     SCHEMA_VERSION,
     ScriptReport,

@@ -17,7 +17,8 @@ import torch
 
 from trainfast import files, hardware, units
 from trainfast.diagnose.fixes import batch_size, not_measured
-from trainfast.diagnose.probes import StopScript, keras_layers
+from trainfast.diagnose.keras_probes import keras_layers
+from trainfast.diagnose.probes import StopScript
 from trainfast.diagnose.recipe import Recipe, sample_pack
 from trainfast.diagnose.script import ScriptReport, Step
 from trainfast.diagnose.verdict import HIGHLY_INPUT_BOUND, MODERATELY_INPUT_BOUND, Recommendation

@@ -113,54 +113,15 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
         raise TrainfastError(f"--seconds must be > 0, not {seconds}")
     kind, target, argv = _target(command)
     probe = _Probe(steps, seconds, warmup)
-    undo: list = []
-    watcher = _KerasWatcher(probe, undo)
-    if "keras" in sys.modules:
-        _patch_keras(sys.modules["keras"], probe, undo)
-        watcher.done = True
-    sys.meta_path.insert(0, watcher)
-    undo.append(lambda: sys.meta_path.remove(watcher))
-    _install_torch(probe, undo)
-    _install_open_watch(probe, undo)
-    stop = threading.Event()
-    sampler = threading.Thread(target=probe.sample_forever, args=(stop,), daemon=True, name="trainfast-sampler")
-    old_argv, old_path = sys.argv, list(sys.path)
-    old_alarm = None
-    if hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread():
-        def on_alarm(signum, frame):
-            raise StopScript("time limit reached")
-        old_alarm = signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, seconds + 1.0)
-    stopped, error = "the script finished", ""
     log(f"trainfast doctor: running {' '.join(command)} for up to {steps} steps after {warmup} warm-up, "
         f"or {seconds:.0f} s")
-    sys.argv = argv
-    sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
     pid, real_exit = os.getpid(), os._exit
-
-    def script_exit(code=0):  # the script's os._exit: the end of the run, reported, not of this process
-        if os.getpid() != pid:
-            real_exit(code)  # a forked child (multiprocessing ends its workers so)
-        raise StopScript(f"the script called os._exit({code})")
-    os._exit = script_exit
-    undo.append(lambda: setattr(os, "_exit", real_exit))
-    saved_stdout = None
-    if quiet_stdout:
-        sys.stdout.flush()
-        saved_stdout = os.dup(1)
-        os.dup2(2, 1)
-
-    def give_stdout_back():
-        nonlocal saved_stdout
-        if saved_stdout is not None:
-            sys.stdout.flush()
-            os.dup2(saved_stdout, 1)
-            os.close(saved_stdout)
-            saved_stdout = None
+    undo = _instrument(probe, pid, real_exit)
+    out = _Stdout(quiet_stdout)
     watchdog = None
     if on_overrun is not None:
         def overrun():
-            give_stdout_back()
+            out.give_back()
             try:
                 on_overrun(_report(command, probe, f"the script ignored the doctor's stop for {OVERRUN_S:.0f} s "
                                                    f"past the {seconds:.0f} s limit; the doctor ended it", "",
@@ -172,34 +133,24 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
         watchdog = threading.Timer(seconds + 1.0 + OVERRUN_S, overrun)
         watchdog.daemon = True
         watchdog.start()
+    stop = threading.Event()
+    sampler = threading.Thread(target=probe.sample_forever, args=(stop,), daemon=True, name="trainfast-sampler")
     sampler.start()
-    load = hardware.OtherLoad().__enter__()
+    old_argv, old_path = sys.argv, list(sys.path)
     cwd = os.getcwd()  # a script may change directory; the report's paths are for where the user ran it
+    sys.argv = argv
+    sys.path.insert(0, str(Path(target).resolve().parent) if kind == "path" else os.getcwd())
+    load = hardware.OtherLoad().__enter__()
     try:
-        if kind == "path":
-            runpy.run_path(target, run_name="__main__")
-        else:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-    except StopScript as e:
-        stopped = e.reason
-    except SystemExit as e:
-        stopped = f"the script exited (status {e.code})" if e.code not in (None, 0) else "the script finished"
-        if e.code not in (None, 0):
-            error = f"SystemExit: {e.code}"
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:  # noqa: BLE001 - the script's failure is reported as its own
-        stopped, error = f"the script failed: {type(e).__name__}: {e}", _script_traceback(e)
+        with _time_limit(seconds):
+            stopped, error = _run(kind, target)
     finally:
         if os.getpid() != pid:  # a child the script forked came back here: it has no report to give
             real_exit(0)
         if watchdog is not None:
             watchdog.cancel()
-        give_stdout_back()
+        out.give_back()
         load.__exit__(None, None, None)
-        if old_alarm is not None:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old_alarm)
         stop.set()
         sampler.join()
         sys.argv, sys.path[:] = old_argv, old_path
@@ -210,6 +161,84 @@ def doctor_script(command: list[str], *, steps: int = 50, seconds: float = 120.0
     report = _report(command, probe, stopped, error, log, fixes)
     report.other_cores, report.load_warning = load.cores, load.warning()
     return report
+
+
+def _instrument(probe: _Probe, pid: int, real_exit) -> list:
+    """The probes installed (Keras's now or when it is imported, PyTorch's, the file watch) and
+    os._exit made the end of the run; returns what undoes them, in order."""
+    undo: list = []
+    watcher = _KerasWatcher(probe, undo)
+    if "keras" in sys.modules:
+        _patch_keras(sys.modules["keras"], probe, undo)
+        watcher.done = True
+    sys.meta_path.insert(0, watcher)
+    undo.append(lambda: sys.meta_path.remove(watcher))
+    _install_torch(probe, undo)
+    _install_open_watch(probe, undo)
+
+    def script_exit(code=0):  # the script's os._exit: the end of the run, reported, not of this process
+        if os.getpid() != pid:
+            real_exit(code)  # a forked child (multiprocessing ends its workers so)
+        raise StopScript(f"the script called os._exit({code})")
+    os._exit = script_exit
+    undo.append(lambda: setattr(os, "_exit", real_exit))
+    return undo
+
+
+class _Stdout:
+    """With `quiet`, what the script prints to standard output goes to standard error until
+    give_back() (the report goes to standard output, as JSON)."""
+
+    def __init__(self, quiet: bool):
+        self.saved = None
+        if quiet:
+            sys.stdout.flush()
+            self.saved = os.dup(1)
+            os.dup2(2, 1)
+
+    def give_back(self):
+        if self.saved is not None:
+            sys.stdout.flush()
+            os.dup2(self.saved, 1)
+            os.close(self.saved)
+            self.saved = None
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """StopScript raised in the main thread a second past `seconds` (SIGALRM, where there is one)."""
+    if not (hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise StopScript("time limit reached")
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds + 1.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _run(kind: str, target: str) -> tuple[str, str]:
+    """Run the script to its end or its stop: (why it ended, its traceback where it failed)."""
+    try:
+        if kind == "path":
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except StopScript as e:
+        return e.reason, ""
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            return f"the script exited (status {e.code})", f"SystemExit: {e.code}"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the script's failure is reported as its own
+        return f"the script failed: {type(e).__name__}: {e}", _script_traceback(e)
+    return "the script finished", ""
 
 
 def _report(command, probe: _Probe, stopped: str, error: str, log=print, fixes: bool = True) -> ScriptReport:

@@ -164,28 +164,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
             f"{units.rate(after.times.images_per_s)} images/s (was {units.rate(before.times.images_per_s)})")
 
     with stage("tune plate_net on this machine (torch.compile left out to keep the demo short)"):
-        tuned = tune(models.create("plate_net"), (3, 64, 128), device=cfg.device, max_batch=data_max_batch(cfg.train),
-                     max_seconds=TUNE_SHARE * 60 * budget_minutes(cfg, torch.device(before.system["device"])),
-                     try_compile=False, log=lambda m: log("   " + m))
-        log(tuned.table())
-        speed, why = more_steps_unless_faster(tuned, floor=LR_BATCH)
-        if why:
-            log(f"   {why}")
-        lr = scale_lr("adamw", LR, LR_BATCH, speed.batch_size)
-        if speed.batch_size != LR_BATCH:
-            log(f"   batch {LR_BATCH} → {speed.batch_size}: AdamW's learning rate {LR:g} → {lr:.2g} "
-                f"(× the square root of the batch ratio)")
-        minutes, planned_epoch_s = 0.0, None  # fit's own budget: the epochs follow the rate they train at
-        if not cfg.epochs:
-            timed = [r.images_per_s for r in tuned.rows if r.images_per_s]
-            rate = statistics.median([r.images_per_s for r in tuned.rows
-                                      if r.images_per_s and r.speed.label() == speed.label()] or timed)
-            device = torch.device(before.system["device"])
-            epochs, why = budget_epochs(cfg, device, time.perf_counter() - started, rate)
-            cfg = replace(cfg, epochs=epochs)
-            log(f"   {why}")
-            planned_epoch_s = cfg.train / rate * EPOCH_OVERHEAD
-            minutes = training_minutes(cfg, device, time.perf_counter() - started, epochs, planned_epoch_s)
+        tuned, speed, lr, cfg, minutes, planned_epoch_s = _plan(cfg, before, started, log)
     planned = cfg.epochs
 
     with stage(f"train plate_net for {cfg.epochs} epochs"):
@@ -203,12 +182,51 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     final = evaluate(net.to(dev), Loader(test_pk, 100, shuffle=False, device=dev, normalize=train_pk), speed,
                      torch.device(dev), World(device=torch.device(dev)))
     errors = held_out_errors(net, test_pk, train_pk, speed, torch.device(dev), out / "plates-test" / "labels.csv")
+    summary = _summary(cfg, stages, reader, before, after, speed, result, final, errors, planned, planned_epoch_s)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "report.html").write_text(_html(summary, before, after, tuned, speed, result, test_pk, net, dev))
+    _say_result(cfg, summary, final, errors, test_pk, reader, log)
+    log(f"   report: {out / 'report.html'}")
+    return summary
+
+
+def _plan(cfg: DemoConfig, before, started: float, log):
+    """plate_net tuned here, and the run planned from it: (the tune result, the speed, the
+    learning rate for its batch, the config with its epochs, fit's minutes, the planned epoch's
+    seconds)."""
+    tuned = tune(models.create("plate_net"), (3, 64, 128), device=cfg.device, max_batch=data_max_batch(cfg.train),
+                 max_seconds=TUNE_SHARE * 60 * budget_minutes(cfg, torch.device(before.system["device"])),
+                 try_compile=False, log=lambda m: log("   " + m))
+    log(tuned.table())
+    speed, why = more_steps_unless_faster(tuned, floor=LR_BATCH)
+    if why:
+        log(f"   {why}")
+    lr = scale_lr("adamw", LR, LR_BATCH, speed.batch_size)
+    if speed.batch_size != LR_BATCH:
+        log(f"   batch {LR_BATCH} → {speed.batch_size}: AdamW's learning rate {LR:g} → {lr:.2g} "
+            f"(× the square root of the batch ratio)")
+    minutes, planned_epoch_s = 0.0, None  # fit's own budget: the epochs follow the rate they train at
+    if not cfg.epochs:
+        timed = [r.images_per_s for r in tuned.rows if r.images_per_s]
+        rate = statistics.median([r.images_per_s for r in tuned.rows
+                                  if r.images_per_s and r.speed.label() == speed.label()] or timed)
+        device = torch.device(before.system["device"])
+        epochs, why = budget_epochs(cfg, device, time.perf_counter() - started, rate)
+        cfg = replace(cfg, epochs=epochs)
+        log(f"   {why}")
+        planned_epoch_s = cfg.train / rate * EPOCH_OVERHEAD
+        minutes = training_minutes(cfg, device, time.perf_counter() - started, epochs, planned_epoch_s)
+    return tuned, speed, lr, cfg, minutes, planned_epoch_s
+
+
+def _summary(cfg, stages, reader, before, after, speed, result, final, errors, planned, planned_epoch_s) -> dict:
+    """What the demo measured, as summary.json holds it."""
     epoch_s = statistics.median(r["seconds"] for r in result.history)  # one slow spell of a shared machine is not the rate
     users_epoch_s = cfg.train / before.times.images_per_s
     loads = [r["other_cores"] for r in result.history if r.get("other_cores") is not None]
     train_load = statistics.median(loads) if loads else None
     trained_epochs = len(result.history)
-    summary = {
+    return {
         "per_character_accuracy": final["acc"], "whole_plate_accuracy": final["seq_acc"],
         "stages_s": stages, "reader": reader,
         "users_pipeline": {"verdict": before.verdict.sentence, "images_per_s": before.times.images_per_s,
@@ -223,8 +241,10 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
         "other_cores": {"users_pipeline": before.other_load, "training": train_load},
         "planned_epoch_s": planned_epoch_s,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "report.html").write_text(_html(summary, before, after, tuned, speed, result, test_pk, net, dev))
+
+
+def _say_result(cfg: DemoConfig, summary: dict, final: dict, errors, test_pk, reader, log):
+    """The result in words: the held-out accuracy (and whether it is near chance), the errors, the speed."""
     log("\n== result")
     log(f"   held-out plates: {final['acc']:.1%} of characters, {final['seq_acc']:.1%} of whole plates right")
     if final["acc"] < 2 / len(test_pk.alphabet):  # still near chance: say so rather than let the number stand alone
@@ -235,8 +255,6 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
         log("   " + line)
     for line in _speed_lines(summary, reader):
         log("   " + line)
-    log(f"   report: {out / 'report.html'}")
-    return summary
 
 
 def _speed_html(s: dict) -> str:

@@ -118,12 +118,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     if not isinstance(model, torch.nn.Module):
         raise TrainfastError(f"tune takes an nn.Module, not a {type(model).__name__}")
     input_shape, pack_images = _input_of(input_shape)
-    images = images or pack_images
-    if images is not None:  # the data's images bound the batch as fit bounds it, unless the caller did
-        max_batch = max_batch or min(MAX_BATCH.get(dev.type, MAX_BATCH["cpu"]), data_max_batch(images))
-    if max_seconds is None and planned_images is None:  # not fit's tune (fit plans its images; tune_share 0: no bound)
-        max_seconds = STANDALONE_S
-    max_batch = max_batch or MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
+    max_batch, max_seconds = _bounds(dev, images or pack_images, max_batch, max_seconds, planned_images)
     check_optimizer(optimizer)  # the arguments before any forward
     first = _step.first_forward(model, torch.zeros(2, *input_shape), f"inputs of shape {input_shape}")  # lazy too
     forward_s = warm_forward_s(model, input_shape) if dev.type == "cpu" else None
@@ -136,17 +131,8 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
         if kept is not None:
             return kept
 
-    out_shape = getattr(model, "output_shape", None) or tuple(first.shape[1:])
-    own_timing = measure is None
-    measure = measure or functools.partial(measure_trial, optimizer=optimizer)
-    bench = Bench(model, input_shape, out_shape, dev, measure, log, max_seconds=max_seconds,
-                   planned_images=planned_images, budget_share=budget_share, forward_s=forward_s)
-    if probe is None and own_timing:
-        # Where the run compares on its own first steps, a first step slow enough to call the run too
-        # short to search settles it: the rest of the quick timing could only find it shorter still.
-        settled = (lambda rate, batch: budget.too_short(bench, rate, batch)[0]) if compare_in_run else None
-        probe = functools.partial(measure_trial, optimizer=optimizer, steps=QUICK_STEPS, warmup=1, min_seconds=0.0,
-                                  settled=settled)
+    bench, probe = _bench(model, input_shape, tuple(first.shape[1:]), dev, measure, probe, optimizer, forward_s,
+                          max_seconds, planned_images, budget_share, compare_in_run, log)
     threads = torch.get_num_threads()
     other = (other_cores if other_cores is not None else hardware.other_cores_now()) if dev.type == "cpu" else None
     cuda = dev.type == "cuda"
@@ -178,16 +164,52 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     # A GPU's speed does not hang on other processes' CPU time as a CPU's does: its choice stands (the rows keep the load)
     result = TuneResult(best.speed, bench.rows, seconds=budget.clock() - bench.started, not_timed=not_timed,
                         budget_s=bench.budget(), other_cores=None if cuda else load.cores, key=key)
-    entry = {"best": asdict(best.speed), "rows": [r.to_dict() for r in bench.rows], "other_cores": result.other_cores,
-             "busy": result.busy}
-    if not_timed:
-        log(f"  the tune's budget ({bench.budget():.1f} s) left {len(not_timed)} settings untimed; cached with that "
-            "budget (a tune with a larger one measures again)")
+    _store(cache, key, result, bench, log)
+    return result
+
+
+def _bounds(dev, images: int | None, max_batch: int | None, max_seconds: float | None,
+            planned_images: int | None) -> tuple[int, float | None]:
+    """The largest batch tried (bounded by the data's images as fit bounds it, unless the caller
+    did) and the tune's own time bound (STANDALONE_S where not fit's tune)."""
+    largest = MAX_BATCH.get(dev.type, MAX_BATCH["cpu"])
+    if images is not None:
+        max_batch = max_batch or min(largest, data_max_batch(images))
+    if max_seconds is None and planned_images is None:  # not fit's tune (fit plans its images; tune_share 0: no bound)
+        max_seconds = STANDALONE_S
+    return max_batch or largest, max_seconds
+
+
+def _bench(model, input_shape, first_out, dev, measure, probe, optimizer: str, forward_s, max_seconds,
+           planned_images, budget_share: float, compare_in_run: bool, log):
+    """The search's bench (its timings, budget and rows), and the quick timing fit's tune
+    judges a short run with (None where a test's `measure` stands in and gives none)."""
+    out_shape = getattr(model, "output_shape", None) or first_out
+    own_timing = measure is None
+    measure = measure or functools.partial(measure_trial, optimizer=optimizer)
+    bench = Bench(model, input_shape, out_shape, dev, measure, log, max_seconds=max_seconds,
+                  planned_images=planned_images, budget_share=budget_share, forward_s=forward_s)
+    if probe is None and own_timing:
+        # Where the run compares on its own first steps, a first step slow enough to call the run too
+        # short to search settles it: the rest of the quick timing could only find it shorter still.
+        settled = (lambda rate, batch: budget.too_short(bench, rate, batch)[0]) if compare_in_run else None
+        probe = functools.partial(measure_trial, optimizer=optimizer, steps=QUICK_STEPS, warmup=1, min_seconds=0.0,
+                                  settled=settled)
+    return bench, probe
+
+
+def _store(cache: dict, key: str, result: TuneResult, bench, log):
+    """The search's choice and rows into tune.json; a search its budget cut short keeps that
+    budget with it (a tune with a larger one measures again)."""
+    entry = {"best": asdict(result.best), "rows": [r.to_dict() for r in bench.rows],
+             "other_cores": result.other_cores, "busy": result.busy}
+    if result.not_timed:
+        log(f"  the tune's budget ({bench.budget():.1f} s) left {len(result.not_timed)} settings untimed; cached "
+            "with that budget (a tune with a larger one measures again)")
         entry.update(budget_s=bench.budget(), first_s=bench.plan["first"], plan_rate=bench.plan["rate"],
-                     not_timed=not_timed)
+                     not_timed=result.not_timed)
     cache[key] = entry
     hardware.write_cache("tune.json", cache)
-    return result
 
 
 def forget(result: TuneResult) -> None:

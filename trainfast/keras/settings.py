@@ -136,65 +136,81 @@ def tune(model, data, *, batch_sizes=None, max_seconds: float = 60.0, try_torch_
                         steps_per_execution=int(getattr(model, "steps_per_execution", 1) or 1),
                         batch_size=len(x))
     backend, device = keras.backend.backend(), backend_device()
-    deadline = time.perf_counter() + max_seconds
-    trials: list[KerasTrial] = []
-    not_tried: list[str] = []
-    losses: dict[str, float | None] = {}
-
-    def run(setting: KerasSetting) -> KerasTrial:
-        left = deadline - time.perf_counter()
-        known = best.images_per_s if trials else None  # a trial's cost: ~6 executions at the best rate so far
-        if left <= 0 or (known and 6 * setting.steps_per_execution * setting.batch_size / known > left):
-            not_tried.append(f"{setting.label()} (out of the {max_seconds:.0f} s budget)")
-            return KerasTrial(setting, note="not timed")
-        log(f"trainfast.keras.tune: timing {setting.label()}")
-        t = _trial(model, setting, x, y, losses, deadline)
-        trials.append(t)
-        return t
-
-    best = None
+    search = _Search(model, x, y, max_seconds, log)
     with hardware.OtherLoad() as load:
-        best = base_trial = run(base)
-        if base_trial.images_per_s is None:
-            raise TrainfastError(f"the model does not train as it is: {base_trial.note}")
-        ref = losses.get("float32")
-
-        def consider(setting: KerasSetting):
-            nonlocal best
-            t = run(setting)
-            if t.images_per_s and ref is not None and t.loss is not None and \
-                    abs(t.loss - ref) > LOSS_TOLERANCE * max(1.0, abs(ref)):
-                t.note, t.images_per_s = f"rejected: loss {t.loss:.4f} vs float32 {ref:.4f}", None
-            if t.images_per_s and t.images_per_s > BETTER * (best.images_per_s or 0):
-                best = t
-
-        if ref is None and base.policy != "float32":  # the reference loss of a model built mixed
-            losses["float32"] = ref = _loss(model, "float32", x, y)
+        base_trial = search.start(base)
         for policy in _policies(device):
             if policy != base.policy:
-                consider(replace(best.setting, policy=policy))
+                search.consider(replace(search.best.setting, policy=policy))
         threads = backend_threads.current()
         if device == "cpu" and threads and threads >= 2:
             if backend_threads.can_time():
-                consider(replace(best.setting, threads=threads // 2))
+                search.consider(replace(search.best.setting, threads=threads // 2))
             else:
-                not_tried.append(f"{threads // 2} threads ({backend} sets its thread pools when it starts: "
-                                 "a line at the top of the script changes them)")
+                search.not_tried.append(f"{threads // 2} threads ({backend} sets its thread pools when it starts: "
+                                        "a line at the top of the script changes them)")
         if backend == "tensorflow" or (backend == "torch" and try_torch_compile):
-            consider(replace(best.setting, jit_compile=not _resolved_jit(best.setting, model)))
+            search.consider(replace(search.best.setting, jit_compile=not _resolved_jit(search.best.setting, model)))
         elif backend == "torch":
-            not_tried.append("jit_compile=True (torch.compile: minutes of compiling on a CPU; try_torch_compile=True)")
+            search.not_tried.append("jit_compile=True (torch.compile: minutes of compiling on a CPU; "
+                                    "try_torch_compile=True)")
         if backend != "torch":
-            consider(replace(best.setting, steps_per_execution=8 if best.setting.steps_per_execution == 1 else 1))
+            spe = search.best.setting.steps_per_execution
+            search.consider(replace(search.best.setting, steps_per_execution=8 if spe == 1 else 1))
         for b in batch_sizes or (2 * base.batch_size, 4 * base.batch_size):
-            before = best
-            consider(replace(best.setting, batch_size=int(b)))
-            if best is before and batch_sizes is None:
+            before = search.best
+            search.consider(replace(search.best.setting, batch_size=int(b)))
+            if search.best is before and batch_sizes is None:
                 break
-    result = KerasTuneResult(backend, device, base_trial, best, trials, not_tried, load.warning(), threads)
+    result = KerasTuneResult(backend, device, base_trial, search.best, search.trials, search.not_tried,
+                             load.warning(), threads)
     for line in result.table().splitlines():
         log(line)
     return result
+
+
+class _Search:
+    """The trials of one tune within its budget: each setting timed on a copy of the model, the
+    best so far (a candidate must beat it by BETTER), and a policy whose loss strays from
+    float32's rejected."""
+
+    def __init__(self, model, x, y, max_seconds: float, log):
+        self.model, self.x, self.y, self.max_seconds, self.log = model, x, y, max_seconds, log
+        self.deadline = time.perf_counter() + max_seconds
+        self.trials: list[KerasTrial] = []
+        self.not_tried: list[str] = []
+        self.losses: dict[str, float | None] = {}
+        self.best: KerasTrial | None = None
+        self.ref: float | None = None
+
+    def start(self, base: KerasSetting) -> KerasTrial:
+        """Time the model's own setting; the float32 loss every other policy is checked against."""
+        self.best = trial = self.run(base)
+        if trial.images_per_s is None:
+            raise TrainfastError(f"the model does not train as it is: {trial.note}")
+        self.ref = self.losses.get("float32")
+        if self.ref is None and base.policy != "float32":  # the reference loss of a model built mixed
+            self.losses["float32"] = self.ref = _loss(self.model, "float32", self.x, self.y)
+        return trial
+
+    def run(self, setting: KerasSetting) -> KerasTrial:
+        left = self.deadline - time.perf_counter()
+        known = self.best.images_per_s if self.trials else None  # a trial's cost: ~6 executions at the best rate
+        if left <= 0 or (known and 6 * setting.steps_per_execution * setting.batch_size / known > left):
+            self.not_tried.append(f"{setting.label()} (out of the {self.max_seconds:.0f} s budget)")
+            return KerasTrial(setting, note="not timed")
+        self.log(f"trainfast.keras.tune: timing {setting.label()}")
+        t = _trial(self.model, setting, self.x, self.y, self.losses, self.deadline)
+        self.trials.append(t)
+        return t
+
+    def consider(self, setting: KerasSetting):
+        t, ref = self.run(setting), self.ref
+        if t.images_per_s and ref is not None and t.loss is not None and \
+                abs(t.loss - ref) > LOSS_TOLERANCE * max(1.0, abs(ref)):
+            t.note, t.images_per_s = f"rejected: loss {t.loss:.4f} vs float32 {ref:.4f}", None
+        if t.images_per_s and t.images_per_s > BETTER * (self.best.images_per_s or 0):
+            self.best = t
 
 
 def _one_batch(data):

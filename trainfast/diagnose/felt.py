@@ -50,6 +50,12 @@ class Felt:
         return s
 
 
+def steps_per_round(budget_s: float, step_s: float, most: int) -> int:
+    """Steps for each way in a round so that the rounds (and the warm-up run) of the current way,
+    at `step_s` a step, take about `budget_s`: 2 at least, `most` at most."""
+    return int(min(most, max(2, budget_s / ((ROUNDS + 1) * max(step_s, 1e-3)))))
+
+
 def interleaved(current: Callable[[], float], *new: Callable[[], float], images: int,
                 rounds: int = ROUNDS) -> list[Felt]:
     """Run `current` and each of `new` (each runs its share of work and returns seconds per

@@ -5,7 +5,6 @@ its bridge), and where the files it read live; and the findings that go with the
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 from trainfast.diagnose.probes import StopScript, _Probe
 from trainfast.diagnose.script_report import ScriptReport
@@ -74,16 +73,11 @@ def _find_recipe(probe: _Probe, first):
         return None, str(e)
 
 
-def batch_size(r: ScriptReport) -> int:
-    """The script's batch: the most common one (not an epoch's short last batch)."""
-    return Counter(s.batch_size for s in r.timed).most_common(1)[0][0] or 1
-
-
 def _torch_pack(r: ScriptReport, probe: _Probe, recipe, first) -> Recommendation:
     from trainfast.diagnose.recipe import torch_recommendation
 
     try:
-        return torch_recommendation(recipe, r.mean("seconds"), r.mean("data"), batch_size(r), _data_name(r, probe),
+        return torch_recommendation(recipe, r.mean("seconds"), r.mean("data"), r.batch or 1, _data_name(r, probe),
                                     (r.devices.get("model") or ["cpu"])[0], first[0], loader=probe.torch_loader)
     except StopScript:
         raise

@@ -285,7 +285,7 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
     per batch against the wait the script saw."""
     from trainfast.data.loader import Loader
     from trainfast.diagnose.checkup import seconds_per_batch
-    from trainfast.diagnose.felt import ROUNDS, drawing, interleaved
+    from trainfast.diagnose.felt import drawing, interleaved, steps_per_round
 
     rest = max(step_s - data_s, 0.0)
     with files.scratch("doctor") as tmp:
@@ -293,7 +293,7 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
         n = len(pk)
         ours = Loader(pk, min(batch_size, len(pk)), device="cpu", drop_last=True)
         if loader is not None:
-            k = int(min(16, max(2, budget_s / ((ROUNDS + 1) * max(data_s, 1e-3)))))
+            k = steps_per_round(budget_s, data_s, 16)
 
             def per_image(draw):
                 return lambda: (rest * k + draw(k)) / (k * batch_size)

@@ -51,6 +51,11 @@ class ScriptReport:
         return sum(getattr(s, stage) for s in t) / len(t) if t else 0.0
 
     @property
+    def batch(self) -> int:
+        """The script's batch: the most common one (not an epoch's short last batch); 0 unknown."""
+        return Counter(s.batch_size for s in self.timed).most_common(1)[0][0] if self.timed else 0
+
+    @property
     def fetched_ahead(self) -> bool:
         """Keras ran the data source on another thread: its time stands in for the wait (an upper bound)."""
         t = self.timed
@@ -103,7 +108,8 @@ def pace_findings(r: ScriptReport) -> list[str]:
     if not r.timed:
         return []
     step, out = r.mean("seconds"), []
-    for seconds, steps in r.epochs[:1]:
+    if r.epochs:  # the first whole epoch seen
+        seconds, steps = r.epochs[0]
         per_step = seconds / steps
         ratio = per_step / step
         if ratio > PACE_APART or ratio < 1 / PACE_APART:
@@ -172,7 +178,7 @@ def render_text(r: ScriptReport) -> str:
         lines.append(f"WARNING  {r.load_warning}")
     if r.timed:
         step = r.mean("seconds")
-        bs = Counter(s.batch_size for s in r.timed).most_common(1)[0][0]  # not the epoch's short last batch
+        bs = r.batch
         rate = f"; {units.rate(bs / step)} images/s at batch {bs}" if bs else ""
         epoch = (f"; an epoch of {r.steps_per_epoch:,} steps: {units.duration(step * r.steps_per_epoch)} at this pace"
                  if r.steps_per_epoch else "")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from trainfast import files, hardware, units
-from trainfast.diagnose.fixes import batch_size, not_measured
+from trainfast.diagnose.fixes import not_measured
 from trainfast.diagnose.keras_probes import keras_layers
 from trainfast.diagnose.probes import StopScript
 from trainfast.diagnose.recipe import Recipe, sample_pack
@@ -122,7 +122,7 @@ class KerasSide:
         the fixes (the pack of `recipe`, the settings that won) measured as the user will feel
         them: the script's model fed from its own data and from the pack, and a copy with the
         settings, in turns. Recommendations go into `r`; the findings are returned."""
-        model, bs, step = probe.keras_model, batch_size(r), r.mean("seconds")
+        model, bs, step = probe.keras_model, r.batch or 1, r.mean("seconds")
         result, findings = self._tune(r, model, first, log)
         better = result.best.setting if result is not None and result.best is not result.base else None
         with files.scratch("doctor") as tmp:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 
-from trainfast.diagnose.felt import ROUNDS, Felt, interleaved
+from trainfast.diagnose.felt import Felt, interleaved, steps_per_round
 from trainfast.keras import threads as backend_threads
 from trainfast.keras.settings import KerasSetting, batch_ends, copy_with
 
@@ -98,7 +98,7 @@ def felt_gains(model, source: Feed, pack: Callable[[int], Feed] | None, setting:
     a pack (`pack(batch_size)` gives its batches) and against a copy with `setting` (fed from the
     pack where there is one): {"pack": Felt, "settings": Felt} for those given. The script's step
     time `step_s` sizes the rounds to about `budget_s`."""
-    steps = int(min(MAX_STEPS, max(2, budget_s / ((ROUNDS + 1) * max(step_s, 1e-3)))))
+    steps = steps_per_round(budget_s, step_s, MAX_STEPS)
     images = steps * source.batch_size
     sides = {"current": _per_image(model, source, images)}
     if pack is not None:

@@ -182,6 +182,13 @@ def test_arrays_as_users_hold_them():
     assert from_arrays(x, np.array([1.0, 0.0, 2.0, 2.0])).labels.tolist() == [1, 0, 2, 2]
     assert from_arrays(x, [b"a", b"b", b"a", b"b"]).classes == ["a", "b"]
     assert from_arrays(x.astype(np.int64), [0, 1, 0, 1]).array.dtype == np.uint8  # ints in 0-255
+    # integer and boolean one-hot rows (np.eye(K, dtype=int), pandas.get_dummies) as the float ones
+    assert from_arrays(x, np.eye(3, dtype=np.int64)[[2, 0, 1, 1]]).labels.tolist() == [2, 0, 1, 1]
+    assert from_arrays(x, np.eye(3, dtype=bool)[[2, 0, 1, 1]]).labels.tolist() == [2, 0, 1, 1]
+    # (N, 1) labels, as keras.datasets.cifar10.load_data() returns them
+    assert from_arrays(x, np.array([[3], [1], [0], [3]], np.uint8)).labels.tolist() == [3, 1, 0, 3]
+    masks = from_arrays(np.arange(4 * 8 * 8).reshape(4, 8, 8) % 2 == 0, [0, 1, 0, 1])  # boolean images
+    assert set(np.unique(masks.array)) == {0, 255} and any("boolean" in n for n in masks.notes)
 
 
 def test_arrays_refused_in_one_line_that_says_the_fix():
@@ -198,6 +205,12 @@ def test_arrays_refused_in_one_line_that_says_the_fix():
         from_arrays(np.full((4, 8, 8, 3), 1000, np.int32), [0, 1, 0, 1])
     with pytest.raises(TrainfastError, match="mix strings with int"):
         from_arrays(x, np.array(["a", 1, "b", 2], dtype=object))
+    with pytest.raises(TrainfastError, match="x / 65535"):  # 16-bit images: how to bring them to [0, 1]
+        from_arrays(np.full((4, 8, 8, 3), 4000, np.uint16), [0, 1, 0, 1])
+    with pytest.raises(TrainfastError, match="one label per image, not None"):
+        from_arrays(x, None)
+    with pytest.raises(TrainfastError, match=r"\(4, 0, 8, 3\) hold no pixels"):
+        from_arrays(np.zeros((4, 0, 8, 3), np.uint8), [0, 1, 0, 1])
 
 
 def test_a_path_listed_twice_with_two_labels_is_an_error_naming_both_rows(tmp_path):

@@ -277,6 +277,12 @@ def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> S
         raise TrainfastError(f"{name}: images must be (N, H, W) or (N, H, W, C), got shape {images.shape}")
     if len(images) == 0:
         raise TrainfastError(f"{name}: no images (empty array)")
+    if 0 in images.shape:
+        raise TrainfastError(f"{name}: images of shape {images.shape} hold no pixels")
+    if labels.ndim == 0:
+        raise TrainfastError(f"{name}: labels must be an array of one label per image, not {labels.item()!r}")
+    if labels.ndim == 2 and labels.shape[1] == 1 and alphabet is None:  # (N, 1), as keras.datasets gives them
+        labels = labels[:, 0]
     if images.ndim == 4 and images.shape[1] in (1, 3, 4) and images.shape[3] not in (1, 3, 4):
         # (N, C, H, W), as torch and CIFAR's raw rows hold them; the pack's decoder wants (H, W, C)
         notes.append(f"images {images.shape} read as channels-first (N, C, H, W) and stored channels-last")
@@ -310,9 +316,14 @@ def from_arrays(images, labels, classes=None, alphabet=None, name="arrays") -> S
     elif images.dtype.kind in "iu" and images.dtype != np.uint8:
         low, top = int(images.min()), int(images.max())
         if low < 0 or top > 255:
+            wide = f" (for {images.dtype.itemsize * 8}-bit images, x / {np.iinfo(images.dtype).max} gives floats in [0, 1])" \
+                if low >= 0 else ""
             raise TrainfastError(f"{name}: {images.dtype} images hold values from {low} to {top}; trainfast packs "
-                                 "0–255 (uint8) or floats in [0, 1]")
+                                 f"0–255 (uint8) or floats in [0, 1]{wide}")
         images = images.astype(np.uint8)
+    elif images.dtype == bool:  # masks and binarised digits: False black, True white
+        images = images.astype(np.uint8) * 255
+        notes.append("boolean images stored as 0 (False) and 255 (True)")
     elif images.dtype != np.uint8:
         raise TrainfastError(f"{name}: images must be uint8 (0–255) or floats in [0, 1], not {images.dtype}")
     if classes is None and labels.ndim == 1:
@@ -347,11 +358,12 @@ def _class_labels(labels: np.ndarray, classes, alphabet, name: str):
         return index.astype(np.int64), [str(c) for c in found], note
     if labels.dtype.kind == "b" and labels.ndim == 1:
         return labels.astype(np.int64), classes or ["False", "True"], None
+    if labels.dtype.kind in "fiub" and labels.ndim == 2 and alphabet is None and labels.shape[1] > 1 \
+            and np.all((labels == 0) | (labels == 1)) and np.all(labels.sum(1) == 1):
+        # one-hot rows, as keras.utils.to_categorical (floats), np.eye(K, dtype=int) or pandas.get_dummies make them
+        return labels.argmax(1).astype(np.int64), classes, \
+            f"one-hot labels ({labels.shape[1]} columns) read as class indices"
     if labels.dtype.kind == "f":
-        if labels.ndim == 2 and alphabet is None and labels.shape[1] > 1 and np.all((labels == 0) | (labels == 1)) \
-                and np.all(labels.sum(1) == 1):  # one-hot rows, as keras.utils.to_categorical makes them
-            return labels.argmax(1).astype(np.int64), classes, \
-                f"one-hot labels ({labels.shape[1]} columns) read as class indices"
         if np.all(np.isfinite(labels)) and np.all(labels == np.round(labels)):
             labels = labels.astype(np.int64)  # 3.0 is class 3
         else:

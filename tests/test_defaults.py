@@ -107,6 +107,30 @@ def test_range_test_finds_a_rate_where_the_loss_falls_and_disturbs_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters())) and torch.equal(state, torch.get_rng_state())
 
 
+@pytest.mark.parametrize("entry", ["fast", {"lr": "high", "at_min": 0.1, "steps": 30, "note": ""},
+                                   {"lr": 0, "at_min": 0.0, "steps": 30, "note": ""},
+                                   {"lr": 0.01, "at_min": None, "steps": 30, "note": ""},
+                                   {"lr": 0.01, "at_min": 0.1, "steps": "30", "note": ""},
+                                   {"lr": float("nan"), "at_min": 0.1, "steps": 30, "note": ""}, {"lr": 0.01}])
+def test_a_range_test_cache_entry_that_does_not_validate_is_measured_again_and_named(tmp_path, monkeypatch, entry):
+    """Issue 50.8's neighbours: a hand-edited lr.json entry is ignored, said in one line naming
+    the file, and the test run again; never a KeyError, nor a rate of 'high' or 0."""
+    monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path))
+    monkeypatch.setattr(lr_range, "range_test", lambda *a, **k: lr_range.RangeTest(0.02, 0.2, 40))
+    net, cpu = _net(), torch.device("cpu")
+    args = (net, None, None, Speed(), cpu, "data", "sgd")
+    assert not lr_range.cached_range_test(*args).cached
+    path = tmp_path / "lr.json"
+    cache = json.loads(path.read_text())
+    cache[next(iter(cache))] = entry
+    path.write_text(json.dumps(cache))
+    said = []
+    r = lr_range.cached_range_test(*args, say=said.append)
+    assert not r.cached and r.lr == 0.02
+    assert any("ignored the cached learning-rate test in" in m and str(path) in m for m in said), said
+    assert lr_range.cached_range_test(*args).cached
+
+
 def test_range_test_with_nothing_to_learn_chooses_no_rate_and_fit_says_so(digits_packs, tmp_path):
     x, _ = _blobs()
     y = torch.zeros(512, dtype=torch.long)

@@ -2,8 +2,10 @@
 wins, and that a lap measures what a step costs, not only how fast images go by."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 
@@ -119,3 +121,44 @@ def test_a_short_run_keeps_the_rule_and_says_why(digits_packs, tmp_path, monkeyp
     r = trainfast.fit(_net(), train, test, epochs=1, device="cpu", run_dir=tmp_path / "a", progress=False,
                       log=said.append, config=TrainConfig(lr=1e-3, epochs=1))
     assert r.speed.batch_size == 32 and any("too short to race" in m for m in said)
+
+
+@pytest.mark.parametrize("edit", ["a string", "other entrants", "fp16 on a CPU", "a zero rate", "a string loss",
+                                  "no speed", "steps of 2.5"])
+def test_a_race_cache_entry_that_does_not_validate_is_raced_again_and_named(tmp_path, monkeypatch, edit):
+    """Issue 50.8's neighbours: a hand-edited race.json entry is ignored, said in one line naming
+    the file, and the laps run again; it never ends the run."""
+    monkeypatch.setenv("TRAINFAST_CACHE", str(tmp_path))
+    ran = []
+
+    def run_lap(net, lap, *args):
+        ran.append(lap.speed.batch_size)
+        return replace(lap, steps=20, lap_images_per_s=100.0, loss=1.5)
+
+    monkeypatch.setattr(race, "run_lap", run_lap)
+    laps = [race.Lap(Speed("fp32", False, batch_size=b), 100.0 * b, 1e-3) for b in (16, 64)]
+    args = (nn.Linear(2, 2), laps, lambda b: None, None, None, torch.device("cpu"), 5.0, "data", "adamw")
+    race.race(*args)
+    path = tmp_path / "race.json"
+    cache = json.loads(path.read_text())
+    (key, entry), = cache.items()
+    if edit == "a string":
+        cache[key] = "fast"
+    elif edit == "other entrants":
+        entry.pop()
+    elif edit == "fp16 on a CPU":
+        entry[0]["speed"]["precision"] = "fp16"
+    elif edit == "a zero rate":
+        entry[1]["images_per_s"] = 0
+    elif edit == "a string loss":
+        entry[0]["loss"] = "low"
+    elif edit == "no speed":
+        del entry[0]["speed"]
+    else:
+        entry[0]["steps"] = 2.5
+    path.write_text(json.dumps(cache))
+    said = []
+    again, cached = race.race(*args, say=said.append)
+    assert not cached and ran == [16, 64, 16, 64] and [lap.loss for lap in again] == [1.5, 1.5]
+    assert any("ignored the cached race in" in m and str(path) in m for m in said), said
+    assert race.race(*args, say=said.append)[1]  # the laps run again are cached anew

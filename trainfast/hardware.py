@@ -310,6 +310,39 @@ def read_cache(name: str) -> dict:
     return data if isinstance(data, dict) else {}  # a file edited into a list or a number: as if absent
 
 
+def cached_entry(name: str, key: str, parse, what: str, say=None):
+    """Entry `key` of the JSON cache file `name`, as `parse` reads it; None where there is none
+    or `parse` returns None. An entry `parse` cannot read (edited by hand, left by another
+    version: it raises TypeError, ValueError, KeyError, AttributeError or a TrainfastError) is
+    ignored, said in one line naming the file, and measured again: a cache is never the reason
+    a run fails."""
+    from trainfast.errors import TrainfastError, in_words
+
+    entry = read_cache(name).get(key)
+    if entry is None:
+        return None
+    try:
+        return parse(entry)
+    except (TypeError, ValueError, KeyError, AttributeError, TrainfastError) as e:
+        if say is not None:
+            say(f"  (ignored the cached {what} in {cache_dir() / name}: {in_words(e)}; measuring again)")
+        return None
+
+
+def is_rate(v) -> bool:
+    """A finite number above 0 (not a bool): a cached rate a run may divide by."""
+    import math
+
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def positive(v, name: str) -> float:
+    """`v` where it is_rate; else ValueError naming it."""
+    if not is_rate(v):
+        raise ValueError(f"{name} is {v!r}, not a positive number")
+    return float(v)
+
+
 def write_cache(name: str, data: dict) -> None:
     """Write a JSON cache file atomically; a read-only home just goes uncached."""
     import json
@@ -350,15 +383,10 @@ def _valid_peaks(entry) -> bool:
     """A cached peaks entry trainfast can divide by: matmul FLOP/s per dtype and copy bytes/s, each
     a positive, finite number (a zero or a string edited in is measured again, never a
     ZeroDivisionError or AttributeError in the doctor)."""
-    import math
-
-    def rate(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-
-    if not isinstance(entry, dict) or not rate(entry.get("copy_bytes")):
+    if not isinstance(entry, dict) or not is_rate(entry.get("copy_bytes")):
         return False
     flops = entry.get("matmul_flops")
-    return isinstance(flops, dict) and bool(flops) and all(isinstance(k, str) and rate(v) for k, v in flops.items())
+    return isinstance(flops, dict) and bool(flops) and all(isinstance(k, str) and is_rate(v) for k, v in flops.items())
 
 
 def describe(device) -> dict:

@@ -105,14 +105,28 @@ def range_test(net: torch.nn.Module, batch, make_optimizer, speed, device: torch
 
 
 def cached_range_test(net, batch, make_optimizer, speed, device, batches_id: str, optimizer: str,
-                      steps: int = STEPS, label_smoothing: float = 0.0) -> RangeTest:
-    """range_test, or its cached answer for the same model, data, optimizer, settings and machine."""
+                      steps: int = STEPS, label_smoothing: float = 0.0, say=None) -> RangeTest:
+    """range_test, or its cached answer for the same model, data, optimizer, settings and machine
+    (an entry that does not read as one is said and measured again)."""
     k = key(net, batches_id, optimizer, speed, device)
-    cache = hardware.read_cache("lr.json")
-    if k in cache:
-        c = cache[k]
-        return RangeTest(c["lr"], c["at_min"], c["steps"], [], c["note"], cached=True)
+    kept = hardware.cached_entry("lr.json", k, _from_cache, "learning-rate test", say)
+    if kept is not None:
+        return kept
     r = range_test(net, batch, make_optimizer, speed, device, steps, label_smoothing)
+    cache = hardware.read_cache("lr.json")
     cache[k] = {"lr": r.lr, "at_min": r.at_min, "steps": r.steps, "note": r.note}
     hardware.write_cache("lr.json", cache)
     return r
+
+
+def _from_cache(c: dict) -> RangeTest:
+    """A cached test: both rates positive numbers (or both None: no rate found), its steps a
+    count, its note text; else ValueError."""
+    if (c["lr"] is None) != (c["at_min"] is None):
+        raise ValueError("one rate recorded without the other")
+    lr, at_min = (None, None) if c["lr"] is None else (hardware.positive(c["lr"], "lr"),
+                                                       hardware.positive(c["at_min"], "at_min"))
+    if isinstance(c["steps"], bool) or not isinstance(c["steps"], int) or c["steps"] < 0 \
+            or not isinstance(c["note"], str):
+        raise ValueError(f"steps {c['steps']!r} or note {c['note']!r} is not what a test records")
+    return RangeTest(lr, at_min, c["steps"], [], c["note"], cached=True)

@@ -80,7 +80,7 @@ def learning_rate(net, loader: Loader, cfg: TrainConfig, speed: Speed, dev, worl
         found = lr_range.cached_range_test(
             net, lambda i: probe.batch(i % len(probe), epoch=0), lambda p, lr: optimizer_for(p, cfg, lr, dev),
             replace(speed, batch_size=probe.batch_size), dev, f"{pack_record(train_pk)['id']}|{probe.samples}",
-            cfg.optimizer, steps, cfg.label_smoothing)
+            cfg.optimizer, steps, cfg.label_smoothing, say)
         say(found.sentence(default, cfg.optimizer))
     # every process takes rank 0's answer
     return distributed.sum_all([found.peak(default) if world.is_main else 0.0], world)[0]

@@ -55,6 +55,24 @@ class Lap:
         return cls(**{**{k: v for k, v in d.items() if k != "label"}, "speed": Speed(**d["speed"])})
 
 
+def _cached_laps(entry, laps: list[Lap], device) -> list[Lap]:
+    """The cached laps of a race of `laps`: the same entrants, each a setting this device runs,
+    with positive rates, a step count and a finite loss (or none); else ValueError."""
+    done = [Lap.from_dict(d) for d in entry]
+    if [lap.speed.label() for lap in done] != [lap.speed.label() for lap in laps]:
+        raise ValueError("its entrants are not this race's")
+    for lap in done:
+        reason = _step.check(lap.speed, device)
+        if reason:
+            raise ValueError(reason)
+        hardware.positive(lap.images_per_s, "images_per_s")
+        hardware.positive(lap.lr, "lr")
+        if isinstance(lap.steps, bool) or not isinstance(lap.steps, int) or lap.steps < 0 \
+                or not (lap.loss is None or (isinstance(lap.loss, (int, float)) and math.isfinite(lap.loss))):
+            raise ValueError(f"a lap of {lap.steps!r} steps to loss {lap.loss!r}")
+    return done
+
+
 def contenders(fastest: dict[int, tuple[float, Speed]]) -> list[tuple[float, Speed]]:
     """From tune's fastest setting at each batch ({batch: (rate, speed)}), the ones worth a lap:
     each batch that runs faster than every smaller one (a larger batch that is not faster has
@@ -164,15 +182,18 @@ def key(net, data_id: str, laps: list[Lap], optimizer: str, seconds: float, devi
 
 
 def race(net, laps: list[Lap], make_loader: Callable, probe, make_optimizer: Callable, device, seconds: float,
-         data_id: str, optimizer: str, label_smoothing: float = 0.0, seed: int = 0) -> tuple[list[Lap], bool]:
+         data_id: str, optimizer: str, label_smoothing: float = 0.0, seed: int = 0,
+         say=None) -> tuple[list[Lap], bool]:
     """run_lap for each lap, or the cached laps of the same race (same model, data, entrants,
-    optimizer, length and machine); (laps, cached)."""
+    optimizer, length and machine; an entry that does not read as them is said and raced
+    again); (laps, cached)."""
     k = key(net, data_id, laps, optimizer, seconds, device)
-    cache = hardware.read_cache("race.json")
-    if k in cache:
-        return [Lap.from_dict(d) for d in cache[k]], True
+    kept = hardware.cached_entry("race.json", k, lambda e: _cached_laps(e, laps, device), "race", say)
+    if kept is not None:
+        return kept, True
     done = [run_lap(net, lap, make_loader(lap.speed.batch_size), probe, make_optimizer, device, seconds,
                     label_smoothing, seed) for lap in laps]
+    cache = hardware.read_cache("race.json")
     cache[k] = [lap.to_dict() for lap in done]
     hardware.write_cache("race.json", cache)
     return done, False

@@ -102,7 +102,7 @@ def raced_batch(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfi
         probe, lambda p, lr: optimizer_for(p, cfg, lr, dev), dev, seconds,
         f"{pack_record(pk)['id']}|{len(probe_idx)}|{None if subset is None else len(subset)}|{augment}|{cfg.seed}|"
         f"{cfg.weight_decay}|{cfg.label_smoothing}", cfg.optimizer,
-        cfg.label_smoothing, cfg.seed)
+        cfg.label_smoothing, cfg.seed, say)
     won = race.choose(laps, replace(rule, compile=False))
     say(race.table(laps, won, seconds, len(probe_idx), cached))
     return replace(won, compile=rule.compile), {"lap_s": seconds, "laps": [lap.to_dict() for lap in laps], "cached": cached}

@@ -13,15 +13,13 @@ import torch
 from trainfast import hardware
 from trainfast import step as _step
 from trainfast.config import Speed, check_optimizer
-from trainfast.errors import TrainfastError, in_words
+from trainfast.errors import TrainfastError
 from trainfast.models import rewrite
 from trainfast.tuning import budget
 from trainfast.tuning.budget import Bench
-from trainfast.tuning.measure import measure_trial, warm_forward_s
-from trainfast.tuning.measure import QUICK_STEPS
+from trainfast.tuning.measure import QUICK_STEPS, measure_trial, warm_forward_s
 from trainfast.tuning.result import Trial, TuneResult, data_max_batch
 from trainfast.tuning.search import MAX_BATCH, CpuSearch, CudaSearch
-
 
 STANDALONE_S = 60.0  # a tune with no budget given (not fit's): its default bound, in seconds
 
@@ -125,11 +123,11 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     if try_rewrites and not rewrite.applies(model):
         try_rewrites = False  # nothing here they apply to: a timing "with rewrites" would time the same model
     key = _key(model, input_shape, dev, batch_size, (try_compile, try_rewrites, max_batch, optimizer, try_threads))
-    cache = hardware.read_cache("tune.json")
-    if not retune and key in cache:
-        kept = _cached(cache[key], key, dev, max_batch, planned_images, budget_share, max_seconds, log)
-        if kept is not None:
-            return kept
+    kept = None if retune else hardware.cached_entry(
+        "tune.json", key, lambda e: _cached(e, key, dev, max_batch, planned_images, budget_share, max_seconds),
+        "choice", log)
+    if kept is not None:
+        return kept
 
     bench, probe = _bench(model, input_shape, tuple(first.shape[1:]), dev, measure, probe, optimizer, forward_s,
                           max_seconds, planned_images, budget_share, compare_in_run, log)
@@ -164,7 +162,7 @@ def tune(model: torch.nn.Module, input_shape, *, device=None, batch_size: int | 
     # A GPU's speed does not hang on other processes' CPU time as a CPU's does: its choice stands (the rows keep the load)
     result = TuneResult(best.speed, bench.rows, seconds=budget.clock() - bench.started, not_timed=not_timed,
                         budget_s=bench.budget(), other_cores=None if cuda else load.cores, key=key)
-    _store(cache, key, result, bench, log)
+    _store(key, result, bench, log)
     return result
 
 
@@ -198,7 +196,7 @@ def _bench(model, input_shape, first_out, dev, measure, probe, optimizer: str, f
     return bench, probe
 
 
-def _store(cache: dict, key: str, result: TuneResult, bench, log):
+def _store(key: str, result: TuneResult, bench, log):
     """The search's choice and rows into tune.json; a search its budget cut short keeps that
     budget with it (a tune with a larger one measures again)."""
     entry = {"best": asdict(result.best), "rows": [r.to_dict() for r in bench.rows],
@@ -208,6 +206,7 @@ def _store(cache: dict, key: str, result: TuneResult, bench, log):
             "with that budget (a tune with a larger one measures again)")
         entry.update(budget_s=bench.budget(), first_s=bench.plan["first"], plan_rate=bench.plan["rate"],
                      not_timed=result.not_timed)
+    cache = hardware.read_cache("tune.json")  # as it is now: another process may have added to it meanwhile
     cache[key] = entry
     hardware.write_cache("tune.json", cache)
 
@@ -219,26 +218,21 @@ def forget(result: TuneResult) -> None:
         hardware.write_cache("tune.json", cache)
 
 
-def _cached(entry, key: str, dev, max_batch: int, planned_images, budget_share: float, max_seconds,
-            log) -> TuneResult | None:
-    """The cached choice for `key` where it is reusable (_reusable) and valid: a setting this
-    device runs, a batch within `max_batch`, timed rows. An entry that does not validate (edited
-    by hand, or left by another version) is ignored, said in one line naming the file, and
-    measured again: a cache is never the reason a run fails."""
-    try:
-        if not _reusable(entry, planned_images, budget_share, max_seconds):
-            return None
-        best = Speed(**entry["best"])
-        reason = _step.check(best, dev) or (f"batch {best.batch_size} is over the {max_batch} allowed here"
-                                            if best.batch_size > max_batch else None)
-        if reason:
-            raise ValueError(reason)
-        rows = [Trial.from_dict(r) for r in entry["rows"]]
-        return TuneResult(best, rows, cached=True, not_timed=list(entry.get("not_timed", [])),
-                          budget_s=entry.get("budget_s"), key=key)
-    except (TypeError, ValueError, KeyError, AttributeError, TrainfastError) as e:
-        log(f"  (ignored the cached choice in {hardware.cache_dir() / 'tune.json'}: {in_words(e)}; measuring again)")
+def _cached(entry, key: str, dev, max_batch: int, planned_images, budget_share: float,
+            max_seconds) -> TuneResult | None:
+    """The cached choice for `key` where it is reusable (_reusable); it must be valid: a setting
+    this device runs, a batch within `max_batch`, timed rows (else an exception that
+    hardware.cached_entry says, naming the file)."""
+    if not _reusable(entry, planned_images, budget_share, max_seconds):
         return None
+    best = Speed(**entry["best"])
+    reason = _step.check(best, dev) or (f"batch {best.batch_size} is over the {max_batch} allowed here"
+                                        if best.batch_size > max_batch else None)
+    if reason:
+        raise ValueError(reason)
+    rows = [Trial.from_dict(r) for r in entry["rows"]]
+    return TuneResult(best, rows, cached=True, not_timed=list(entry.get("not_timed", [])),
+                      budget_s=entry.get("budget_s"), key=key)
 
 
 def _reusable(entry: dict, planned_images, budget_share: float, max_seconds) -> bool:

@@ -27,7 +27,7 @@ import trainfast
 from trainfast import hardware, models
 from trainfast import step as _step
 from trainfast.config import Speed, TrainConfig
-from trainfast.data.sources import from_arrays
+from trainfast.data.held import from_arrays
 from trainfast.train import run as trainer
 
 

@@ -37,10 +37,9 @@ import trainfast
 from trainfast import hardware, models
 from trainfast import step as _step
 from trainfast.config import Speed, TrainConfig
-from trainfast.data.sources import from_arrays
+from trainfast.data.held import from_arrays
 from trainfast.diagnose.cost import layer_costs
-from trainfast.tuning import data_max_batch
-from trainfast.tuning import measure_trial
+from trainfast.tuning import data_max_batch, measure_trial
 
 ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 USERS = {  # model: (the user's batch, the best-practice batch, images in the pack, epochs, compile tried)

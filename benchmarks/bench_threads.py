@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import trainfast
-from trainfast.data.sources import from_arrays
+from trainfast.data.held import from_arrays
 
 
 def _neighbour(nice: int | None):

@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from conftest import SMALL_NET as SMALL_NET_SOURCE
+from conftest import Signals, other_load, step_clock
 
 import trainfast
-from conftest import SMALL_NET as SMALL_NET_SOURCE, Signals, other_load, step_clock
 from trainfast.cli import main
 from trainfast.config import Speed, TrainConfig
+from trainfast.data.loader import Loader
 from trainfast.errors import TrainfastError
 from trainfast.train import fit
-from trainfast.data.loader import Loader
 from trainfast.train.evaluate import evaluate
+
 
 def fast(device: str) -> Speed:
     """bf16 + channels_last where the device runs bf16 fast, else fp32 + channels_last."""
@@ -199,7 +201,7 @@ def test_sequence_metrics(tmp_path, device):
     rng = np.random.default_rng(0)
     images = rng.integers(0, 255, (64, 64, 128, 3), dtype=np.uint8)
     labels = rng.integers(0, 36, (64, 8))
-    src = trainfast.data.sources.from_arrays(images, labels, alphabet="0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    src = trainfast.data.held.from_arrays(images, labels, alphabet="0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
     pk = trainfast.pack(src, tmp_path / "p", size=(64, 128), progress=False)
     net = trainfast.models.create("plate_net").to(device)
     m = evaluate(net, trainfast.Loader(pk, 16, shuffle=False, device=device), Speed(), torch.device(device),
@@ -888,6 +890,7 @@ def test_a_stale_cached_choice_is_re_tuned_by_the_run_that_finds_it(digits_packs
     the run measures again at its own batch and goes on with what it finds; config.json says
     it, so a resume goes on with it too."""
     import json
+
     from trainfast import tuning
 
     train, _ = digits_packs
@@ -952,7 +955,8 @@ def test_short_epochs_save_once_a_minute_and_best_pt_is_the_best_epoch(digits_pa
     epoch always writes: a 3-epoch run writes last.pt once. Where the best epoch is not the last,
     best.pt holds that epoch's weights, kept in memory until the save; with the throttle off,
     each epoch's end writes, as a long epoch's does."""
-    from trainfast.train import checkpoint, run as trainer
+    from trainfast.train import checkpoint
+    from trainfast.train import run as trainer
     saved, real = [], checkpoint.save
     monkeypatch.setattr(checkpoint, "save", lambda path, state: (saved.append((path.name, state["state"]["epoch"])),
                                                                   real(path, state)))
@@ -1250,7 +1254,8 @@ def test_a_checkpoint_whose_moments_are_in_another_layout_resumes_the_same(digit
     before a re-tune's switch) and resumed in the default layout: the fused AdamW update reads
     weights and moments as flat memory, so the moments are put in their weights' layout first
     (else the resumed run trains on wrong updates, silently)."""
-    from trainfast.train import checkpoint, run as trainer
+    from trainfast.train import checkpoint
+    from trainfast.train import run as trainer
     train, test = digits_packs
     kw = dict(config=TrainConfig(epochs=2, lr=1e-3, optimizer="adamw", deterministic=True),
               speed=Speed("fp32", False, batch_size=64), device="cpu", progress=False, log=lambda *a: None)

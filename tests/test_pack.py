@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import png_bomb, write_images
+from test_sources import make_cifar
 
 import trainfast
 from trainfast.data.format import Pack
 from trainfast.errors import TrainfastError
-from conftest import png_bomb, write_images
-from test_sources import make_cifar
 
 
 def _bad_inputs(root):
@@ -226,7 +226,7 @@ def test_a_worker_holds_its_chunk_once_not_a_float_copy(tmp_path):
     from trainfast.data import pack as pack_mod
 
     images = np.random.default_rng(0).integers(0, 256, (8, 256, 256, 3), dtype=np.uint8)
-    src = trainfast.data.sources.from_arrays(images, np.arange(8) % 2)
+    src = trainfast.data.held.from_arrays(images, np.arange(8) % 2)
     cfg = pack_mod._checked(PackConfig(size=(256, 256), encoding="raw"), src)
     task = chunks.chunk_task(src, 0, np.arange(8), cfg, tmp_path)
     tracemalloc.start()
@@ -482,7 +482,7 @@ def test_arrays_packed_by_another_process_now_are_waited_for(tmp_path, monkeypat
 
     from trainfast import files
     from trainfast.data import arrays as pack_mod
-    from trainfast.data.sources import from_arrays
+    from trainfast.data.held import from_arrays
     monkeypatch.setattr(pack_mod, "cache_dir", lambda: tmp_path)
     x = np.random.default_rng(0).integers(0, 255, (20, 8, 8, 3), dtype=np.uint8)
     y = np.arange(20) % 2

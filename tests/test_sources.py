@@ -5,10 +5,11 @@ import tarfile
 
 import numpy as np
 import pytest
-
-from trainfast.data.sources import from_arrays, from_cifar, from_csv, from_folder, open_source
-from trainfast.errors import TrainfastError
 from conftest import write_images
+
+from trainfast.data.held import from_arrays, from_cifar
+from trainfast.data.sources import from_csv, from_folder, open_source
+from trainfast.errors import TrainfastError
 
 
 def test_folder_classes_sorted_and_recursive(tmp_path):
@@ -223,7 +224,7 @@ def test_a_path_listed_twice_with_two_labels_is_an_error_naming_both_rows(tmp_pa
 def test_float_images_in_minus_one_to_one_keep_their_negative_half():
     """Images normalised to [-1, 1] (the usual form) are read as such, not clipped to [0, 1]
     (their negative half used to become black); standardised images are refused in one line."""
-    from trainfast.data.sources import from_arrays
+    from trainfast.data.held import from_arrays
 
     x = np.linspace(-1, 1, 4 * 8 * 8 * 3, dtype=np.float32).reshape(4, 8, 8, 3)
     src = from_arrays(x, np.arange(4) % 2)
@@ -238,7 +239,7 @@ def test_float_images_in_minus_one_to_one_keep_their_negative_half():
 def test_sparse_class_ids_are_refused_not_made_into_classes(labels):
     """A label of 10¹² would have named 10¹² classes (memory exhausted); ids far beyond the
     distinct values are refused with how to number them."""
-    from trainfast.data.sources import from_arrays
+    from trainfast.data.held import from_arrays
 
     with pytest.raises(TrainfastError, match="np.unique"):
         from_arrays(np.zeros((len(labels), 8, 8, 3), np.uint8), labels)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from trainfast import files
 from trainfast.data.format import Pack
+from trainfast.data.held import from_arrays
 from trainfast.data.pack import pack
-from trainfast.data.sources import from_arrays
 from trainfast.errors import TrainfastError
 from trainfast.hardware import cache_dir
 

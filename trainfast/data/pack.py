@@ -25,7 +25,8 @@ from trainfast.config import PackConfig
 from trainfast.data import chunks as _chunks
 from trainfast.data import decode as _decode
 from trainfast.data.format import ENCODINGS, SCHEMA_VERSION, Pack, is_pack, read_meta
-from trainfast.data.sources import Source, from_arrays, open_source
+from trainfast.data.held import from_arrays
+from trainfast.data.sources import Source, open_source
 from trainfast.errors import TrainfastError
 from trainfast.hardware import usable_cores
 

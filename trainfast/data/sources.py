@@ -87,9 +87,7 @@ def open_source(path, *, path_column="path", label_column="label", label_kind="a
         return from_csv(p, path_column=path_column, label_column=label_column,
                         label_kind=label_kind, alphabet=alphabet)
     if name.endswith(".npz"):
-        from trainfast.data.held import (
-            from_npz,  # held.py builds on Source, defined here
-        )
+        from trainfast.data.held import from_npz  # held.py builds on Source, defined here
 
         return from_npz(p)
     if name.endswith((".tar.gz", ".tgz", ".tar")):
@@ -175,6 +173,32 @@ def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="
     csv_path = Path(csv_path)
     if label_kind not in LABEL_KINDS:
         raise TrainfastError(f"label kind {label_kind!r} is not one of {', '.join(LABEL_KINDS)}")
+    rows, skipped = _csv_rows(csv_path, path_column, label_column)
+    given = label_kind
+    if label_kind == "auto":
+        label_kind = "sequence" if _looks_like_sequences([r[1] for r in rows], alphabet) else "class"
+    if label_kind == "class":
+        classes = sorted({label for _, label, _ in rows})
+        index = {c: i for i, c in enumerate(classes)}
+        keys, label_array = [r[0] for r in rows], np.asarray([index[r[1]] for r in rows], np.int64)
+    else:
+        classes = None
+        keys, label_array = _sequence_labels(rows, alphabet, skipped)
+    if not keys:
+        raise TrainfastError(f"{csv_path}: every row was rejected (first: {skipped[0][0]}: {skipped[0][1]})")
+    flags = [_flag("--path-column", path_column)] * (path_column != "path")
+    flags += [_flag("--label-column", label_column)] * (label_column != "label")
+    flags += [f"--labels {given}"] * (given != "auto")
+    flags += [_flag("--alphabet", alphabet)] * (label_kind == "sequence" and alphabet != DEFAULT_ALPHABET)
+    return Source("csv", str(csv_path), keys, label_array, classes=classes,
+                  alphabet=alphabet if label_kind == "sequence" else None,
+                  files=[str(csv_path.parent / k) for k in keys], skipped=skipped, pack_flags=" ".join(flags))
+
+
+def _csv_rows(csv_path: Path, path_column: str, label_column: str) -> tuple[list, list]:
+    """The CSV's usable rows as (path, label, 'file:line') and its skipped ones as ('file:line',
+    reason). A two-column CSV with other names is path first, label second; an image listed
+    twice with two labels is refused, naming both rows."""
     try:
         text = csv_path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
@@ -185,16 +209,12 @@ def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="
         raise TrainfastError(f"{csv_path}: empty CSV (no header row)")
     header = [h.strip() for h in header]
     pcol, lcol = path_column, label_column
-    given = label_kind
-    if (pcol not in header or lcol not in header) and len(header) == 2 \
-            and (pcol, lcol) == ("path", "label"):
-        pcol, lcol = header  # a two-column CSV with other names: path first, label second
+    if (pcol not in header or lcol not in header) and len(header) == 2 and (pcol, lcol) == ("path", "label"):
+        pcol, lcol = header
     for col, what in ((pcol, "--path-column"), (lcol, "--label-column")):
         if col not in header:
             raise TrainfastError(f"{csv_path}: no column {col!r} ({what}); columns are {', '.join(header)}")
     pi, li = header.index(pcol), header.index(lcol)
-
-    base = csv_path.parent
     rows, skipped = [], []
     for line_no, row in enumerate(reader, start=2):
         if not row or all(not c.strip() for c in row):
@@ -217,43 +237,25 @@ def from_csv(csv_path, *, path_column="path", label_column="label", label_kind="
         first_row.setdefault(key, (where, label))
     if not rows:
         raise TrainfastError(f"{csv_path}: no usable rows" + (f" ({skipped[0][0]}: {skipped[0][1]})" if skipped else ""))
+    return rows, skipped
 
-    texts = [r[1] for r in rows]
-    if label_kind == "auto":
-        label_kind = "sequence" if _looks_like_sequences(texts, alphabet) else "class"
-    keys, files, labels = [], [], []
-    classes = sorted(set(texts)) if label_kind == "class" else None
-    if label_kind == "class":
-        index = {c: i for i, c in enumerate(classes)}
-        for path, label, _ in rows:
+
+def _sequence_labels(rows: list, alphabet: str, skipped: list) -> tuple[list[str], np.ndarray]:
+    """The rows' labels as character indices (N, L), L the most common length; a row of another
+    length or with a character outside `alphabet` is added to `skipped` with the reason."""
+    length = Counter(len(label) for _, label, _ in rows).most_common(1)[0][0]
+    char_index = {c: i for i, c in enumerate(alphabet)}
+    keys, labels = [], []
+    for path, label, where in rows:
+        bad = sorted(set(label) - set(alphabet))
+        if len(label) != length:
+            skipped.append((f"{where} {path}", f"label {label!r} has {len(label)} characters, expected {length}"))
+        elif bad:
+            skipped.append((f"{where} {path}", f"label {label!r} has {''.join(bad)!r}, not in the alphabet {alphabet!r}"))
+        else:
             keys.append(path)
-            files.append(str(base / path))
-            labels.append(index[label])
-        label_array = np.asarray(labels, np.int64)
-    else:
-        length = Counter(len(t) for t in texts).most_common(1)[0][0]
-        char_index = {c: i for i, c in enumerate(alphabet)}
-        for path, label, where in rows:
-            if len(label) != length:
-                skipped.append((f"{where} {path}", f"label {label!r} has {len(label)} characters, expected {length}"))
-                continue
-            bad = sorted(set(label) - set(alphabet))
-            if bad:
-                skipped.append((f"{where} {path}", f"label {label!r} has {''.join(bad)!r}, not in the alphabet {alphabet!r}"))
-                continue
-            keys.append(path)
-            files.append(str(base / path))
             labels.append([char_index[c] for c in label])
-        label_array = np.asarray(labels, np.int64).reshape(len(labels), length)
-    if not keys:
-        raise TrainfastError(f"{csv_path}: every row was rejected (first: {skipped[0][0]}: {skipped[0][1]})")
-    flags = [_flag("--path-column", path_column)] * (path_column != "path")
-    flags += [_flag("--label-column", label_column)] * (label_column != "label")
-    flags += [f"--labels {given}"] * (given != "auto")
-    flags += [_flag("--alphabet", alphabet)] * (label_kind == "sequence" and alphabet != DEFAULT_ALPHABET)
-    return Source("csv", str(csv_path), keys, label_array, classes=classes,
-                  alphabet=alphabet if label_kind == "sequence" else None, files=files, skipped=skipped,
-                  pack_flags=" ".join(flags))
+    return keys, np.asarray(labels, np.int64).reshape(len(labels), length)
 
 
 def _looks_like_sequences(texts: list[str], alphabet: str) -> bool:

@@ -282,9 +282,9 @@ def test_the_html_report_puts_the_advice_first_and_fits_1280_px(pack, tmp_path, 
 
 def test_the_api_doctor_takes_the_users_batch_and_arrays_and_says_when_no_fix_helps(pack, monkeypatch):
     from trainfast import Loader
-    from trainfast.diagnose.checkup import _compute_rate  # noqa: F401 - replaced below
-    monkeypatch.setattr("trainfast.diagnose.checkup._compute_rate", lambda *a, **k: 1000.0)  # every fix: no faster
-    monkeypatch.setattr("trainfast.diagnose.checkup._loader_fixes", lambda *a, **k: [])  # the data side: none either
+    from trainfast.diagnose.remedies import _compute_rate  # noqa: F401 - replaced below
+    monkeypatch.setattr("trainfast.diagnose.remedies._compute_rate", lambda *a, **k: 1000.0)  # every fix: no faster
+    monkeypatch.setattr("trainfast.diagnose.remedies._loader_fixes", lambda *a, **k: [])  # the data side: none either
     r = doctor(Tiny(), Loader(pack, batch_size=32, device="cpu"), steps=3, warmup=1, device="cpu", progress=False)
     assert r.times.batch_size == r.speed.batch_size == 32 and "batch 32" in r.text().splitlines()[1]
     assert "batch 64" not in r.text()

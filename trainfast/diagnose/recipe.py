@@ -284,7 +284,7 @@ def torch_recommendation(recipe: Recipe, step_s: float, data_s: float, batch_siz
     rest of the script's step (its time as the script ran). Without `loader`: the Loader's time
     per batch against the wait the script saw."""
     from trainfast.data.loader import Loader
-    from trainfast.diagnose.checkup import seconds_per_batch
+    from trainfast.diagnose.remedies import seconds_per_batch
     from trainfast.diagnose.felt import drawing, interleaved, steps_per_round
 
     rest = max(step_s - data_s, 0.0)

@@ -193,7 +193,7 @@ def test_a_busy_machine_is_said_in_the_report(pack, monkeypatch):
 @pytest.mark.parametrize("helps", [True, False])
 def test_loader_advice_only_where_a_measurement_says_it_helps(pack, monkeypatch, helps):
     """'More threads' is advised only when the Loader alone measured faster with them."""
-    import trainfast.diagnose.checkup as dx
+    import trainfast.diagnose.remedies as dx
     from trainfast.diagnose.timing import StepTimes
     per_batch = {2: 0.010, 4: 0.004 if helps else 0.0098, 8: 0.004 if helps else 0.0101}
     monkeypatch.setattr(dx, "seconds_per_batch", lambda loader: per_batch[loader.workers])

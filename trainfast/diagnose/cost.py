@@ -109,47 +109,15 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
     was_training = model.training
     model.eval()  # dropout off, batch-norm statistics untouched
     x = torch.zeros((batch, *input_shape), dtype=dtype)
-    shapes: dict[str, tuple] = {}
-    inputs: dict[str, tuple] = {}
     leaves = {n: m for n, m in model.named_modules() if not list(m.children())}
-
-    done: set[str] = set()
-
-    def hook(name):
-        def record(mod, args, out):
-            done.add(name)
-            if isinstance(out, torch.Tensor):
-                shapes[name] = tuple(out.shape[1:])
-            if args and isinstance(args[0], torch.Tensor):
-                inputs[name] = tuple(args[0].shape[1:])
-        return record
-
-    failing: list[str] = []
-
-    def pre(name):
-        def mark(mod, args):
-            failing.append(name)
-            if args and isinstance(args[0], torch.Tensor):
-                inputs[name] = tuple(args[0].shape[1:])
-        return mark
-
-    handles = [m.register_forward_hook(hook(n)) for n, m in leaves.items()]
-    handles += [m.register_forward_pre_hook(pre(n)) for n, m in leaves.items()]
+    seen = _LayerShapes(leaves)
     try:
-        with torch.no_grad():
+        with seen, torch.no_grad():
             counts = _count(model, x, backward=False)
     except Exception as e:  # noqa: BLE001 - whatever the user's forward raises (timm's size asserts too)
-        why = in_words(e, 300)
-        if failing and failing[-1] not in done:  # a layer began and did not end: it failed
-            where = failing[-1]
-            got = inputs.get(where, "?")
-            place = f"at layer {where} ({type(leaves[where]).__name__}), which received {got}"
-        else:  # the model's own code between its layers (a size check, a reshape)
-            place = f"after layer {failing[-1]}" if failing else "before its first layer"
-        raise ValueError(f"the model fails on input {tuple(input_shape)} {place}: {why}") from None
-    finally:
-        for h in handles:
-            h.remove()
+        raise ValueError(f"the model fails on input {tuple(input_shape)} {seen.where_it_failed()}: "
+                         f"{in_words(e, 300)}") from None
+    shapes, inputs = seen.outputs, seen.inputs
     train_counts = _count(model, x.requires_grad_(False), backward=True)
     model.train(was_training)
     model.zero_grad(set_to_none=True)
@@ -175,6 +143,48 @@ def layer_costs(model: nn.Module, input_shape, batch: int = 2, dtype=torch.float
         input_shape=tuple(input_shape))
     cost.findings = structural_findings(cost)
     return cost
+
+
+class _LayerShapes:
+    """Over one forward, in a with block: each leaf layer's input and output shapes (per
+    example), and the layers begun, so that a failing forward can name where it failed."""
+
+    def __init__(self, leaves: dict[str, nn.Module]):
+        self.leaves, self.inputs, self.outputs = leaves, {}, {}
+        self.begun: list[str] = []
+        self.ended: set[str] = set()
+        self._handles = []
+
+    def __enter__(self):
+        for name, m in self.leaves.items():
+            self._handles.append(m.register_forward_pre_hook(lambda mod, args, n=name: self._begin(n, args)))
+            self._handles.append(m.register_forward_hook(lambda mod, args, out, n=name: self._end(n, args, out)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+    def _begin(self, name: str, args) -> None:
+        self.begun.append(name)
+        if args and isinstance(args[0], torch.Tensor):
+            self.inputs[name] = tuple(args[0].shape[1:])
+
+    def _end(self, name: str, args, out) -> None:
+        self.ended.add(name)
+        if isinstance(out, torch.Tensor):
+            self.outputs[name] = tuple(out.shape[1:])
+        if args and isinstance(args[0], torch.Tensor):
+            self.inputs[name] = tuple(args[0].shape[1:])
+
+    def where_it_failed(self) -> str:
+        """A layer that began and did not end failed; else the model's own code between its
+        layers did (a size check, a reshape)."""
+        if self.begun and self.begun[-1] not in self.ended:
+            where = self.begun[-1]
+            return (f"at layer {where} ({type(self.leaves[where]).__name__}), which received "
+                    f"{self.inputs.get(where, '?')}")
+        return f"after layer {self.begun[-1]}" if self.begun else "before its first layer"
 
 
 def _flattened_map(cost: ModelCost, layer: LayerCost) -> tuple | None:

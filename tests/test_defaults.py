@@ -67,7 +67,7 @@ def test_the_512_models_lower_their_loss_with_the_defaults(tmp_path, model):
     noise = np.random.default_rng(0).integers(0, 60, (24, 512, 512, 3))
     images = (noise + 90 * labels[:, None, None, None]).astype(np.uint8)  # the class is in the brightness
     pk = trainfast.pack((images, labels), tmp_path / "p", size=(512, 512), encoding="raw", progress=False)
-    r = fit(model, pk, config=TrainConfig(epochs=3, val_fraction=0.0, loss_watch=False), device="cpu",
+    r = fit(model, pk, config=TrainConfig(epochs=2, val_fraction=0.0, loss_watch=False), device="cpu",
             run_dir=tmp_path / "r", **QUIET)
     losses = [h["train_loss"] for h in r.history]
     assert losses[-1] < losses[0], losses
@@ -76,9 +76,9 @@ def test_the_512_models_lower_their_loss_with_the_defaults(tmp_path, model):
 def test_few_steps_per_epoch_still_train(digits_packs, tmp_path, device):
     """A dataset of 5 steps per epoch at the user's batch trains (the schedule has steps to use)."""
     train, test = digits_packs
-    r = fit("cifar_cnn", train, test, config=TrainConfig(epochs=6), speed=Speed(batch_size=256), device=device,
+    r = fit("cifar_cnn", train, test, config=TrainConfig(epochs=4), speed=Speed(batch_size=256), device=device,
             run_dir=tmp_path / "r", **QUIET)
-    assert len(r.history) == 6 and r.history[-1]["train_loss"] < r.history[0]["train_loss"]
+    assert len(r.history) == 4 and r.history[-1]["train_loss"] < r.history[0]["train_loss"]
 
 
 def _blobs(n=512, seed=0):

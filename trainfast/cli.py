@@ -210,7 +210,8 @@ def _cmd_demo(a) -> ExitStatus:
     cfg = DemoConfig(out=a.out, device=a.device, seed=a.seed)
     if a.quick:
         cfg = replace(cfg, **QUICK)
-    cfg = replace(cfg, **{k: v for k, v in (("train", a.train), ("epochs", a.epochs), ("minutes", a.minutes)) if v})
+    cfg = replace(cfg, **{k: v for k, v in (("train", a.train), ("test", a.test), ("epochs", a.epochs),
+                                                 ("minutes", a.minutes)) if v})
     run_demo(cfg, log=lambda msg: print(msg, file=sys.stderr))
     return ExitStatus.OK
 

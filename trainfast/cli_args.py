@@ -278,10 +278,11 @@ def _demo(sub) -> None:
         description="Make synthetic license-plate photos, diagnose the per-image pipeline users write "
                     "(input-bound, with numbers), pack the photos once, diagnose again, tune and train a better "
                     "plate model, and report accuracy on held-out plates and the time each stage took, with an "
-                    "HTML report. A few minutes on 2 CPU cores; --quick for a sub-minute smoke run.")
+                    "HTML report. A few minutes on 2 CPU cores; --quick for a smoke run of about a minute.")
     dm.add_argument("--out", default="trainfast-demo", help="output folder (default: trainfast-demo)")
     dm.add_argument("--quick", action="store_true", help="small and short: a smoke run")
     dm.add_argument("--train", type=int, help="training plates (default: 20000; quick: 1500)")
+    dm.add_argument("--test", type=int, help="held-out plates the accuracy is measured on (default: 1000; quick: 300)")
     dm.add_argument("--epochs", type=int,
                     help="training epochs (default: as many as the time budget allows, 10 to 40; quick: 2)")
     dm.add_argument("--minutes", type=float,

@@ -130,6 +130,7 @@ def test_keras_sequence_with_skimage_is_input_bound_and_the_culprit_is_named(tmp
            f"{script}:{line}: train_gen = PlateGenerator(rows)" in rec.action
     assert any(f.startswith(f"the images the script reads (under {plates_dir / 'images'})") for f in r.findings)
     assert "What to do, ranked by expected gain" in r.text() and "<ol>" in r.html()
+    assert "model on keras torch backend" in r.text() and "drawn on ?" not in r.text()
 
     # pasted as printed, it trains; the doctor then sees the pack reader: no recipe, no storage line
     # for the folder the script no longer opens
@@ -598,6 +599,7 @@ def test_image_dataset_from_directory_on_tensorflow_gets_the_folder_recipe(tmp_p
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["data_source"]["kind"] == "tf.data Dataset" and r["generator_s_per_batch"] > 0
+    assert "model on keras tensorflow backend\n" in p.stdout  # tf.data's batches are not seen: no "drawn on ?"
     recipe = [x for x in r["recommendations"] if x["title"].startswith("Pack the images once")]
     from trainfast.diagnose.verdict import MODERATELY_INPUT_BOUND
     if r["data_share"] >= MODERATELY_INPUT_BOUND:  # 14% here: a 5-image step of a tiny model is 2.5 ms

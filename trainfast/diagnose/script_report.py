@@ -211,9 +211,10 @@ def render_text(r: ScriptReport) -> str:
               f"  CPU {s['cpu']}: {s['physical_cores']} physical cores ({s['usable_cores']} usable), torch "
               f"{s['torch_threads']} threads; CUDA {'available' if s['cuda_available'] else 'not available'}; "
               f"torch {s['torch']}"]
-    if r.devices.get("model") or r.devices.get("batches"):
-        lines.append(f"  model on {', '.join(r.devices.get('model') or ['?'])}; batches drawn on "
-                     f"{', '.join(r.devices.get('batches') or ['?'])}")
+    where = [f"{what} {', '.join(r.devices[key])}" for key, what in (("model", "model on"), ("batches", "batches drawn on"))
+             if r.devices.get(key)]  # a Keras script's batches are its backend's: not seen, not said
+    if where:
+        lines.append(f"  {'; '.join(where)}")
     if r.layers:
         m = r.model
         lines += ["", f"Model{' ' + m['class'] if m.get('class') else ''}: {m['params']:,} parameters, "

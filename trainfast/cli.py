@@ -11,7 +11,7 @@ import os
 import sys
 from enum import IntEnum
 
-from trainfast.cli_args import _csv_values
+from trainfast.cli_args import csv_values
 from trainfast.cli_args import parser as _parser
 from trainfast.errors import TrainfastError
 from trainfast.units import shell_arg
@@ -29,7 +29,7 @@ def _cmd_pack(a) -> ExitStatus:
 
     pack(a.source, a.out, log=lambda msg: print(msg, file=sys.stderr), size=a.size, resize=a.resize,
          channels=a.channels, encoding=a.encoding, quality=a.quality, workers=a.workers, on_error=a.on_error, limit=a.limit, seed=a.seed,
-         overwrite=a.overwrite, progress=not a.quiet, split=a.split, **_csv_values(a))
+         overwrite=a.overwrite, progress=not a.quiet, split=a.split, **csv_values(a))
     return ExitStatus.OK
 
 
@@ -75,7 +75,7 @@ def _cmd_doctor(a) -> ExitStatus:
     else:
         report = doctor(a.model, a.data, batch_size=a.batch_size, steps=a.steps or 20, device=a.device,
                         speed=Speed(precision=a.precision, channels_last=a.channels_last),
-                        try_fixes=not a.no_fixes, remeasure=a.remeasure, source_options=_csv_values(a), log=log)
+                        try_fixes=not a.no_fixes, remeasure=a.remeasure, source_options=csv_values(a), log=log)
     _doctor_output(a, report, log)
     if a.script is not None:
         a.cut_short = not report.stopped.startswith("the script finished")

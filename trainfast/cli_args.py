@@ -34,7 +34,8 @@ def _csv_options(p: argparse.ArgumentParser) -> None:
                    help="characters of sequence labels (default: 0-9A-Z)")
 
 
-def _csv_values(a) -> dict:
+def csv_values(a) -> dict:
+    """The CSV options of pack and doctor, as the keyword arguments of open_source."""
     return {"path_column": a.path_column, "label_column": a.label_column, "label_kind": a.label_kind,
             "alphabet": a.alphabet}
 

@@ -44,8 +44,14 @@ def test_digits_reach_97_percent_with_a_complete_run_dir(digits_packs, tmp_path,
     assert len(rows) == 2 and float(rows[-1]["val_acc"]) >= 0.9
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["model"] == "cifar_resnet" and cfg["speed"]["batch_size"] == 64 and cfg["train"]["epochs"] == 2
-    assert "machine" in json.loads((tmp_path / "run" / "speed.json").read_text())
+    saved = json.loads((tmp_path / "run" / "speed.json").read_text())
+    assert "machine" in saved
     assert cfg["device"].startswith(device)
+    # issue 48: where the call's time went, phase by phase, adding up to the whole call
+    costs = r.costs
+    assert saved["costs"] == pytest.approx(costs, abs=1e-3)
+    assert costs["training"] > 0 and costs["validation"] > 0 and costs["checkpoints"] > 0
+    assert sum(v for k, v in costs.items() if k != "total") == pytest.approx(costs["total"], rel=1e-6)
 
 
 def _checkpoint_step(path):

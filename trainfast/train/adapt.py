@@ -358,8 +358,9 @@ class RateCheck(Watcher):
         self.done = True
         if check_tuned_rate(self.tuned, self.tried, run.speed, row, run.say) and state["epoch"] < cfg.epochs:
             t = loop.clock()
-            retune(run, self.given, self.pk, self.pin, self.n_train * (cfg.epochs - state["epoch"]), cfg.tune_share,
-                   run.say)
+            with run.costs.phase("re-tune"):
+                retune(run, self.given, self.pk, self.pin, self.n_train * (cfg.epochs - state["epoch"]),
+                       cfg.tune_share, run.say)
             run.began += loop.clock() - t  # the time budget's epoch time is the epoch's, not the re-tune's
         return None
 

@@ -26,14 +26,15 @@ from trainfast.data.loader import Loader
 from trainfast.errors import Detail, TrainfastError
 from trainfast.train import checkpoint, distributed
 from trainfast.train.adapt import FirstSteps, RateCheck, Threads, TimeBudget
+from trainfast.train.costs import Costs
 from trainfast.train.evaluate import held_out_loader
 from trainfast.train.inputs import (check_batch_fits, check_config, check_fits, check_trainable,
                                     check_val_fits, held_out, model_and_name, training_pack)
 from trainfast.train.metrics import MetricsLog
 from trainfast.train.optim import learning_rate, optimizer_for, scheduler_for
 from trainfast.train.run import READ_EVERY, EpochSums, Run, run_epochs
-from trainfast.train.rundir import (dir_name, empty, own_run_dir, pack_record, read_run_config, same_pack,
-                                    write_start)
+from trainfast.train.rundir import (dir_name, empty, own_run_dir, pack_record, read_run_config, record_costs,
+                                    same_pack, write_start)
 from trainfast.train.speed import elastic, raced_batch, runnable, tuned_speed
 from trainfast.train.watch import START_OVERS, LossWatch, StartOver
 
@@ -46,6 +47,7 @@ class FitResult:
     speed: Speed
     stopped: str  # "finished", "early-stopped", "out-of-time" (TrainConfig.minutes)
     model: torch.nn.Module | None = field(default=None, repr=False)  # the model given (or built by name), trained
+    costs: dict = field(default_factory=dict, repr=False)  # seconds per phase of the call (train/costs.py), "total"
 
     def __repr__(self) -> str:  # what a notebook cell shows: the outcome, not every epoch's dict
         last = self.history[-1] if self.history else {}
@@ -226,11 +228,17 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
     """fit, after its arguments are read; `saved` is the run's config.json when resuming; the run
     directory's lock is held on `stack` (released when fit returns or fails)."""
     setup = hardware.OtherLoad().__enter__()  # other processes' load, sampled while the run sets up (Threads)
-    plan, speed = _plan(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, log, stack, start_overs)
+    costs = Costs()
+    with costs.phase("setup"):
+        plan, speed = _plan(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, log, stack,
+                            start_overs)
     threads = Threads(plan.dev.type == "cpu" and not plan.world.distributed and not cfg.deterministic
                       and not (speed and speed.threads) and not plan.pin.get("threads"), since=setup)
-    chosen = _choose(plan, speed, tune, threads, progress)
-    run, lr = _start(plan, chosen)
+    with costs.phase("tune"):
+        chosen = _choose(plan, speed, tune, threads, progress)
+    with costs.phase("start (learning rate, loaders)"):
+        run, lr = _start(plan, chosen)
+    run.costs = costs
     watchers = [RateCheck(chosen.result, chosen.tried, plan.given, plan.train_pk, plan.pin, plan.n_train)
                 if chosen.result is not None and plan.world.is_main else None,
                 TimeBudget(cfg.minutes) if cfg.minutes else None,
@@ -240,7 +248,11 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
         stopped = run_epochs(run, threads, [w for w in watchers if w is not None], progress)
     finally:
         _given_back(plan.given)
-    return FitResult(plan.run_dir, run.log_csv.rows, run.state["best"], run.speed, stopped, plan.given)
+    spent = costs.as_dict()
+    if plan.world.is_main:
+        record_costs(plan.run_dir, spent)
+    plan.say(Detail(costs.line()))
+    return FitResult(plan.run_dir, run.log_csv.rows, run.state["best"], run.speed, stopped, plan.given, spent)
 
 
 def _plan(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, saved, log,

@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from trainfast.config import Speed, TrainConfig
 from trainfast.data.loader import Loader
 from trainfast.errors import Detail, TrainfastError
 from trainfast.train import checkpoint, distributed
+from trainfast.train.costs import Costs
 from trainfast.train.evaluate import evaluate, measure_batch_norm
 from trainfast.train.metrics import MetricsLog, correct, plot_curves
 from trainfast.train.optim import tail_scheduler
@@ -128,6 +129,7 @@ class Run:
     first_steps: object | None = None  # adapt.FirstSteps: a short run's comparison on its first steps, until made
     threads: object | None = None  # adapt.Threads: the thread count, timed on the run's steps (run_epochs sets it)
     began: float = 0.0  # when the epoch under way began (the time budget's clock; a re-tune moves it on)
+    costs: Costs = field(default_factory=Costs)  # the call's seconds per phase (fit hands its own in)
 
     def plot(self, force: bool = False) -> None:
         """Redraw curves.png with the rows so far: at most every PLOT_EVERY_S, and when `force`d
@@ -136,7 +138,8 @@ class Run:
         if not self.world.is_main or len(rows) == drawn:
             return
         if force or time.perf_counter() - at >= PLOT_EVERY_S:
-            plot_curves(rows, self.run_dir / "curves.png", self.sequence)
+            with self.costs.phase("curves"):
+                plot_curves(rows, self.run_dir / "curves.png", self.sequence)
             self.plotted = (len(rows), time.perf_counter())
 
     def train_epoch(self, epoch: int, interrupts: Interrupts, progress: bool) -> dict:
@@ -201,10 +204,11 @@ class Run:
     def end_epoch(self, epoch: int, row: dict) -> bool:
         """Validate, log, checkpoint; True when early stopping says to stop."""
         state = self.state
-        measure_batch_norm(self.net, self.loader, epoch, self.speed, self.dev, self.world)
-        if self.val_loader is not None:
-            v = evaluate(self.net, self.val_loader, self.speed, self.dev, self.world)
-            row.update(val_loss=v["loss"], val_acc=v["acc"], val_seq_acc=v["seq_acc"])
+        with self.costs.phase("validation"):
+            measure_batch_norm(self.net, self.loader, epoch, self.speed, self.dev, self.world)
+            if self.val_loader is not None:
+                v = evaluate(self.net, self.val_loader, self.speed, self.dev, self.world)
+                row.update(val_loss=v["loss"], val_acc=v["acc"], val_seq_acc=v["seq_acc"])
         score = row.get("val_acc", row["train_acc"])
         improved = score > state["best"]
         state.update(epoch=epoch + 1, position=0, partial=[0.0, 0.0, 0.0, 0.0],
@@ -249,6 +253,10 @@ class Run:
     def save(self, epoch: int) -> None:
         """Write last.pt, and best.pt: the same file where this is the best epoch's end, else the
         best epoch's checkpoint kept in memory, if one is."""
+        with self.costs.phase("checkpoints"):
+            self._save(epoch)
+
+    def _save(self, epoch: int) -> None:
         self.check(epoch)  # never a checkpoint of weights that went NaN
         # the epoch's sums so far over all ranks: a resumed run (with any number of processes) starts
         # rank 0 from them and the others from zero
@@ -380,7 +388,7 @@ def run_epochs(run: Run, threads, watchers: list[Watcher], progress: bool) -> st
         with interrupts:
             while run.state["epoch"] < run.cfg.epochs:
                 epoch, run.began = run.state["epoch"], clock()
-                with threads:
+                with threads, run.costs.phase("training"):
                     row = run.train_epoch(epoch, interrupts, progress)
                     row["threads"] = torch.get_num_threads()
                 row["other_cores"] = threads.load.cores

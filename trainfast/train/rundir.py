@@ -123,7 +123,16 @@ def record_decision(run_dir: Path, decision: dict) -> None:
     """Add one decision the run made by timing (its threads, a first-steps comparison, a re-tune)
     to speed.json's `decisions`, in order: two runs of the same call can be compared by them."""
     saved = json.loads((run_dir / "speed.json").read_text())
-    saved["decisions"] = [*saved.get("decisions", []), decision]
+    _write_speed(run_dir, {**saved, "decisions": [*saved.get("decisions", []), decision]})
+
+
+def record_costs(run_dir: Path, costs: dict) -> None:
+    """speed.json's `costs`: the seconds of each phase of the call that ran (train/costs.py)."""
+    saved = json.loads((run_dir / "speed.json").read_text())
+    _write_speed(run_dir, {**saved, "costs": {k: round(v, 3) for k, v in costs.items()}})
+
+
+def _write_speed(run_dir: Path, saved: dict) -> None:
     files.write_text(run_dir / "speed.json", json.dumps(saved, indent=1))
 
 

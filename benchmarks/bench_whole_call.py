@@ -34,6 +34,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 # model: (training images, the users' batch, epochs): the issue's table
 SETTINGS = {"cifar_cnn": (10_000, 256, 5), "plate_cnn": (4_000, 128, 5), "classifier512": (400, 32, 2)}
+ALPHABET = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SHAPES = {"cifar_cnn": ((32, 32), (10,)), "plate_cnn": ((64, 128), (8, 36)), "classifier512": ((512, 512), (10,))}
 
 
@@ -76,8 +77,9 @@ def run_trainfast(name: str) -> dict:
     (x, y), (xv, yv) = _data(name)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TRAINFAST_CACHE"] = str(Path(tmp) / "cache")  # a first call: nothing tuned yet
-        train = trainfast.pack((x, y), Path(tmp) / "train.pack", progress=False)
-        val = trainfast.pack((xv, yv), Path(tmp) / "val.pack", progress=False)
+        chars = {"alphabet": ALPHABET} if y.ndim == 2 else {}  # the plates' 36 symbols
+        train = trainfast.pack((x, y), Path(tmp) / "train.pack", progress=False, **chars)
+        val = trainfast.pack((xv, yv), Path(tmp) / "val.pack", progress=False, **chars)
         net = models.create(name)
         _, batch, epochs = SETTINGS[name]
         lines: list[tuple[float, str]] = []

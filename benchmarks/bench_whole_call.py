@@ -89,7 +89,7 @@ def run_trainfast(name: str) -> dict:
         wall = time.perf_counter() - t
     return {"side": "trainfast", "model": name, "wall_s": wall, "images": len(x) * epochs,
             "acc": r.history[-1].get("val_acc"), "settings": r.speed.label(),
-            "costs": getattr(r, "costs", None), "epochs_s": [h["seconds"] for h in r.history],
+            "costs": {k: round(v, 2) for k, v in r.costs.items()}, "epochs_s": [h["seconds"] for h in r.history],
             "log": [f"{s:6.1f}s {m}" for s, m in lines], "versions": {"torch": torch.__version__}}
 
 

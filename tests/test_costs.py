@@ -23,3 +23,14 @@ def test_nested_phases_count_once_and_the_rest_is_other():
     assert sum(v for k, v in d.items() if k != "total") == pytest.approx(d["total"], rel=1e-6)
     line = c.line()
     assert line.startswith("the call took 0.1") and line.index("training") < line.index("checkpoints")
+
+
+def test_costs_are_recorded_where_a_killed_start_left_no_speed_json(tmp_path):
+    import json
+
+    from trainfast.train.rundir import record_costs, record_decision
+
+    record_costs(tmp_path, {"training": 1.23456, "total": 2.0})  # no speed.json yet: written, not a traceback
+    record_decision(tmp_path, {"what": "threads", "chose": 2})
+    saved = json.loads((tmp_path / "speed.json").read_text())
+    assert saved == {"costs": {"training": 1.235, "total": 2.0}, "decisions": [{"what": "threads", "chose": 2}]}

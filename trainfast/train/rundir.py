@@ -122,14 +122,22 @@ def record_speed(run_dir: Path, speed: Speed, tried: list[dict] | None = None) -
 def record_decision(run_dir: Path, decision: dict) -> None:
     """Add one decision the run made by timing (its threads, a first-steps comparison, a re-tune)
     to speed.json's `decisions`, in order: two runs of the same call can be compared by them."""
-    saved = json.loads((run_dir / "speed.json").read_text())
+    saved = _speed_json(run_dir)
     _write_speed(run_dir, {**saved, "decisions": [*saved.get("decisions", []), decision]})
 
 
 def record_costs(run_dir: Path, costs: dict) -> None:
     """speed.json's `costs`: the seconds of each phase of the call that ran (train/costs.py)."""
-    saved = json.loads((run_dir / "speed.json").read_text())
-    _write_speed(run_dir, {**saved, "costs": {k: round(v, 3) for k, v in costs.items()}})
+    _write_speed(run_dir, {**_speed_json(run_dir), "costs": {k: round(v, 3) for k, v in costs.items()}})
+
+
+def _speed_json(run_dir: Path) -> dict:
+    """speed.json as written so far; {} where a run killed as it started left none (resumed, it
+    must not end in a traceback over a record)."""
+    try:
+        return json.loads((run_dir / "speed.json").read_text())
+    except FileNotFoundError:
+        return {}
 
 
 def _write_speed(run_dir: Path, saved: dict) -> None:

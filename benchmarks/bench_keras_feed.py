@@ -147,7 +147,6 @@ def _feeds(model: str, data: dict, batch: int) -> dict:
 def tf_pack(pack, batch_size: int):
     """A tf.data pipeline over a pack's uint8 batches (the Loader's order), cast to float32 by a
     TensorFlow map on its own threads and prefetched: a quarter of the bytes through Python."""
-    import numpy as np
     import tensorflow as tf
     import torch
 

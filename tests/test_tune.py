@@ -80,6 +80,23 @@ def test_rewrites_can_be_left_out(monkeypatch):
     assert not r.best.rewrites and not any(s.rewrites for s in tried)
 
 
+def test_on_a_cpu_the_rewrites_come_first_and_are_left_out_where_they_cost(monkeypatch):
+    """A CPU search starts with the rewrites in (they save memory passes and dropout's slow
+    draws there, so a run too short to search has them too), and times the best precision and
+    layout without them: where that is faster, the result has none."""
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: False)
+    seen = []
+
+    def measure(model, shape, out, speed, device):
+        seen.append(speed)
+        return Trial(speed, 100.0 * (0.8 if speed.rewrites else 1.0) * (1.2 if speed.channels_last else 1.0), 2.0)
+    r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, try_threads=False, measure=measure, retune=True,
+             log=lambda m: None)
+    assert seen[0].rewrites == rewrite.ALL and seen[1].rewrites == rewrite.ALL  # the reference, then channels_last
+    assert seen[2] == replace(seen[1], rewrites=())
+    assert r.best.channels_last and r.best.rewrites == ()
+
+
 def test_rewrites_are_tried_again_at_the_chosen_batch(monkeypatch):
     """A rewrite that does not pay at the starting batch but does at the larger one is found."""
     monkeypatch.setattr("trainfast.step.supports_bf16", lambda d: True)
@@ -109,7 +126,8 @@ def test_one_lucky_timing_does_not_decide(monkeypatch):
         else:
             rate = 50.0
         return Trial(speed, rate, 2.0)
-    r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, measure=measure, retune=True, log=lambda m: None)
+    r = tune(_net(), (3, 8, 8), device="cpu", try_compile=False, try_rewrites=False, measure=measure, retune=True,
+             log=lambda m: None)
     assert (r.best.precision, r.best.channels_last) == ("fp32", True)
     assert "median of 300, 100, 100" in r.table() and r.table().splitlines()[1].split()[1:4] == ["fp32", "+", "channels_last"]
 
@@ -511,12 +529,15 @@ def test_a_run_too_short_for_a_search_gets_one_quick_comparison(monkeypatch):
     def probe(model, shape, out, speed, device):
         tried.append(speed)
         return slow(model, shape, out, speed, device)
-    # 10% of 4,000 images at the probe's 100 images/s is 4 s, against 2 × (0.8 s + 4 steps of 0.64 s) for two timings
+    # 10% of 4,000 images at the probe's 120 images/s (with the rewrites) is 3.3 s, against 2 × (0.8 s + 4 steps of
+    # 0.53 s) for two timings
     r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=probe, planned_images=4_000,
              budget_share=0.1, retune=True, log=said.append)
-    assert [s.label() for s in tried] == ["fp32 + batch 64", "bf16 + channels_last + batch 64"] and len(r.rows) == 2
+    # on a CPU the rewrites are in from the first setting (the net's ReLU after a convolution goes in place)
+    assert [s.label() for s in tried] == ["fp32 + batch 64 + rewrites", "bf16 + channels_last + batch 64 + rewrites"]
+    assert len(r.rows) == 2
     assert r.best == tried[1]  # 3× the first setting's rate (the fake's bf16 × channels_last)
-    assert r.short.startswith("no search: ~40 s of training planned") and r.short in r.table()
+    assert r.short.startswith("no search: ~33 s of training planned") and r.short in r.table()
     assert "one quick comparison instead" in r.short and "a quick timing" in r.table()
     assert not any("no search" in m for m in said)  # said once, by the table (fit says it), not twice
     again = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=probe, planned_images=4_000,
@@ -528,14 +549,14 @@ def test_a_run_too_short_for_a_search_gets_one_quick_comparison(monkeypatch):
         return replace(t, loss=9.0) if speed.precision == "bf16" else t
     r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=unsound, planned_images=4_000,
              budget_share=0.1, retune=True, log=lambda m: None)
-    assert r.short and r.best.label() == "fp32 + batch 64"
+    assert r.short and r.best.label() == "fp32 + batch 64 + rewrites"
 
     def no_reference_loss(model, shape, out, speed, device):  # a loss missing on either side: nothing to compare
         t = probe(model, shape, out, speed, device)
         return replace(t, loss=None) if speed.precision == "fp32" else t
     r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=no_reference_loss,
              planned_images=4_000, budget_share=0.1, retune=True, log=lambda m: None)
-    assert r.short and r.best.label() == "fp32 + batch 64"
+    assert r.short and r.best.label() == "fp32 + batch 64 + rewrites"
     tried.clear()
     r = tune(net, (3, 8, 8), device="cpu", batch_size=64, measure=slow, probe=probe, planned_images=14_400,
              budget_share=0.1, retune=True, log=lambda m: None)

@@ -5,10 +5,11 @@ A measuring core (budget.Bench) times a setting within the tune's budget and rec
 other processes kept busy meanwhile; a strategy per device (search.CpuSearch, search.CudaSearch over the
 shared search.Search) decides what to time next. The search is pruned, not exhaustive. (0) The
 reference, fp32 in the plain layout: on a CPU at a batch whose step stays short
-(start_batch_for), on CUDA at the batch that fills the device (_fill: below it every setting is
+(start_batch_for) and with the rewrite passes (trainfast.models.rewrite) where they change the
+model, on CUDA at the batch that fills the device (_fill: below it every setting is
 launch-bound and they all look alike). (1) precision (fp32, bf16; on CUDA also tf32 and fp16)
-in channels_last; (2) the exact rewrite passes (trainfast.models.rewrite) on the winner, then
-each precision in the plain layout; (3) batch sizes, powers of two, with the winner so far,
+in channels_last; (2) the winner with the rewrites toggled (on CUDA added, on a CPU left out),
+then each precision in the plain layout; (3) batch sizes, powers of two, with the winner so far,
 until memory runs out or two doublings in a row are slower, then the rewrites once more at
 the new batch; (4) CPU threads, if torch uses fewer than the physical cores; (5) a final: the
 fastest few and the winner's neighbours timed round-robin twice more, so that a slow spell of a

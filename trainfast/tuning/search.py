@@ -64,11 +64,13 @@ class Search:
     then torch.compile. A device's strategy says where to start and what it can run."""
 
     precisions: list[str]  # the likely winners first: under a tight budget they are the ones timed
+    rewrites_first = False  # whether the rewrites are in every setting from the first, left out only as a neighbour
 
     def __init__(self, bench: Bench, *, batch_size, max_batch, try_rewrites, try_compile, other: float | None,
                  try_threads: bool = True):
         self.bench, self.pinned, self.max_batch = bench, batch_size, max_batch
         self.try_rewrites, self.try_compile, self.try_threads = try_rewrites, try_compile, try_threads
+        self.base = rewrite.ALL if try_rewrites and self.rewrites_first else ()  # the rewrites every setting starts with
         self.other, self.busy = other, hardware.is_busy(other)  # cores other processes held when the tune began
 
     def first_speed(self) -> Speed:
@@ -87,16 +89,17 @@ class Search:
         bench.set_reference(ref)
         start = ref.speed.batch_size
         # Each precision in channels_last (the layout convolutions run fastest in, on CPUs and
-        # GPUs alike), then the rewrites on the best of those, then the plain layout. A precision
-        # this device does not run fast is skipped without timing.
+        # GPUs alike), then the best of those with the rewrites toggled (added; on a CPU, where
+        # they are in from the first, left out), then the plain layout. A precision this device
+        # does not run fast is skipped without timing.
         for p in self.precisions:
-            run(Speed(p, True, batch_size=start))
+            run(Speed(p, True, batch_size=start, rewrites=self.base))
         best = max((t for t in bench.rows if bench.sound(t)), key=lambda t: t.images_per_s)
         if self.try_rewrites:
-            t = run(replace(best.speed, rewrites=rewrite.ALL))
+            t = run(replace(best.speed, rewrites=() if best.speed.rewrites else rewrite.ALL))
             best = t if better(t, best) else best
         for p in self.precisions[:-1]:  # the plain layout (fp32's is the reference, timed first)
-            t = run(Speed(p, False, batch_size=start))
+            t = run(Speed(p, False, batch_size=start, rewrites=best.speed.rewrites))
             best = t if better(t, best) else best
         if self.pinned is None:
             best = self.batches(best, start)
@@ -160,12 +163,16 @@ class Search:
 
 
 class CpuSearch(Search):
-    """CPU: start at a batch whose step takes about START_STEP_S at most (start_batch_for); bf16
-    only where the CPU has bf16 instructions (step.check); then the threads: all the physical
-    cores where torch uses fewer on a quiet machine; half of torch's where other programs hold
-    cores (timed: whether they yield their cores is not in their CPU share)."""
+    """CPU: start at a batch whose step takes about START_STEP_S at most (start_batch_for), with
+    the rewrites where they change the model (on a CPU they save passes over memory and a slow
+    random draw per dropped element: the 512² classifier's fp32 step 8.7 → 5.7 s at batch 32 on
+    2 AVX2 cores, so a run too short to search has them too); bf16 only where the CPU has bf16
+    instructions (step.check); then the threads: all the physical cores where torch uses fewer
+    on a quiet machine; half of torch's where other programs hold cores (timed: whether they
+    yield their cores is not in their CPU share)."""
 
     precisions = ["bf16", "fp32"]
+    rewrites_first = True
 
     def first_speed(self) -> Speed:
         # A step's allowance in the cores other processes leave free: on a busy machine the start
@@ -175,7 +182,7 @@ class CpuSearch(Search):
         allowance = START_STEP_S * cores / max(cores - (self.other or 0.0), 0.5) if self.busy else START_STEP_S
         start = self.pinned or measure.start_batch_for(bench.model, bench.input_shape, bench.dev, self.max_batch, allowance,
                                                bench.forward_s)
-        return Speed("fp32", False, batch_size=start)
+        return Speed("fp32", False, batch_size=start, rewrites=self.base)
 
     def extra(self, best: Trial) -> Trial:
         cores, threads = hardware.physical_cores(), torch.get_num_threads()

@@ -75,7 +75,8 @@ def _cmd_doctor(a) -> ExitStatus:
     else:
         report = doctor(a.model, a.data, batch_size=a.batch_size, steps=a.steps or 20, device=a.device,
                         speed=Speed(precision=a.precision, channels_last=a.channels_last),
-                        try_fixes=not a.no_fixes, remeasure=a.remeasure, source_options=csv_values(a), log=log)
+                        try_fixes=not a.no_fixes, ceiling=not a.no_ceiling, remeasure=a.remeasure,
+                        source_options=csv_values(a), log=log)
     _doctor_output(a, report, log)
     if a.script is not None:
         a.cut_short = not report.stopped.startswith("the script finished")

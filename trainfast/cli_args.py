@@ -156,6 +156,8 @@ def _doctor(sub) -> None:
                     help="settings to diagnose (default: fp32, PyTorch's default)")
     dr.add_argument("--channels-last", action="store_true", help="diagnose with channels_last memory")
     dr.add_argument("--no-fixes", action="store_true", help="skip measuring the candidate fixes")
+    dr.add_argument("--no-ceiling", action="store_true",
+                    help="skip timing each convolution and matmul alone (the kernels' ceiling the step is held to)")
     dr.add_argument("--remeasure", action="store_true", help="measure this machine's peaks again")
     _csv_options(dr)
     dr.add_argument("--json", metavar="FILE", help="also write the report as JSON (- for stdout)")

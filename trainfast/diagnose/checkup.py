@@ -29,6 +29,8 @@ from trainfast.data.arrays import pack_arrays
 from trainfast.data.pack import is_arrays
 from trainfast.data.sources import Source, open_source
 from trainfast.diagnose import remedies
+from trainfast.diagnose.ceiling import Ceiling, kernel_ceiling
+from trainfast.diagnose.ceiling import count as kernel_configurations
 from trainfast.diagnose.cost import ModelCost, layer_costs, measured_findings
 from trainfast.diagnose.storage import read_throughput, storage_sentence
 from trainfast.diagnose.timing import StepTimes, step_breakdown, throughput
@@ -58,6 +60,7 @@ class Report:
     storage: dict | None = None  # files read apart from decoding (StorageRead.to_dict + sentence, bound)
     fixes_note: str = ""  # "no fix measured ≥ 5% faster (tried: …)" when the trials found none
     data_side: str = ""  # what prepares the batches: "2 gather threads", "the training process itself, …"
+    ceiling: Ceiling | None = None  # the kernels' ceiling (diagnose.ceiling), where measured
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA_VERSION, "model": self.model, "data": self.data, "system": self.system,
@@ -66,7 +69,8 @@ class Report:
                 "verdict": self.verdict.to_dict(),
                 "recommendations": [r.to_dict() for r in self.recommendations], "seconds": self.seconds,
                 "other_load_cores": self.other_load, "load_warning": self.load_warning, "storage": self.storage,
-                "fixes_note": self.fixes_note, "cores": cores_sentence(self)}
+                "fixes_note": self.fixes_note, "cores": cores_sentence(self),
+                "ceiling": self.ceiling.to_dict() if self.ceiling else None}
 
     def text(self) -> str:
         from trainfast.diagnose.report import render_text
@@ -143,7 +147,7 @@ def _resolve_data(data, model, batch_size: int, device, seed: int, source_option
 
 
 def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 3, device=None,
-           speed: Speed | None = None, try_fixes: bool = True, remeasure: bool = False,
+           speed: Speed | None = None, try_fixes: bool = True, ceiling: bool = True, remeasure: bool = False,
            seed: int = 0, source_options: dict | None = None, progress: bool = True, log=None) -> Report:
     """Diagnose training `model` on `data`: measure, explain, and try the fixes.
 
@@ -156,6 +160,8 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
         device: 'cpu', 'cuda', or None for cuda when available.
         speed: the settings to diagnose (default: fp32, no channels_last: PyTorch's defaults).
         try_fixes: re-run a few steps with each candidate fix to measure its gain.
+        ceiling: time each convolution and matrix product alone (diagnose.ceiling), so the
+            report can say how far the step is from what its kernels allow.
         source_options: for a CSV given by its path: path_column, label_column, label_kind
             and alphabet, as `trainfast.pack` takes them (e.g. {"label_column": "plate"}).
         progress: progress bars (steps timed, with an estimate of the time left) and a line
@@ -189,10 +195,11 @@ def doctor(model, data, *, batch_size: int = 64, steps: int = 20, warmup: int = 
     log(f"timing {steps} training steps on {described}…")
     with hardware.OtherLoad() as load:
         times = _timed_steps(net, batches, dev, speed, steps, warmup, progress)
-        roof = roofline(cost, times, peaks, speed.precision)
+        kernels = _ceiling(net, cost, times.batch_size, speed.precision, dev, progress, log) if ceiling else None
+        roof = roofline(cost, times, peaks, speed.precision, kernels)
         found = verdict(times, roof)
         report = Report(name, described, hardware.describe(dev), peaks, cost, speed, times, roof, found,
-                        data_side=_data_side(batches))
+                        data_side=_data_side(batches), ceiling=kernels)
         if src is not None and src.files:
             log("reading a sample of the files apart from decoding (storage throughput)…")
             report.storage = _storage(src, times)
@@ -219,6 +226,16 @@ def _cost(net, shape, batches, pk):
             x = next(iter(batches))[0]
         cost.findings = measured_findings(copy.deepcopy(net).cpu().float(), x.cpu().float())[0] + cost.findings
     return cost
+
+
+def _ceiling(net, cost, batch: int, precision: str, dev, progress: bool, log) -> Ceiling | None:
+    """The kernels' ceiling at the step's batch and precision, with a progress bar."""
+    n = kernel_configurations(net, cost)
+    if not n:
+        return None
+    log(f"timing the model's {n} distinct convolution and matrix-product layers alone (the kernels' ceiling)…")
+    with _bar(progress, n, "timing kernels") as bar:
+        return kernel_ceiling(net, cost, batch, precision, dev, on_layer=lambda: bar.update())
 
 
 def _timed_steps(net, batches, dev, speed: Speed, steps: int, warmup: int, progress: bool):

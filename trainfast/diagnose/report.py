@@ -40,6 +40,10 @@ def render_text(r) -> str:
                  f"{units.rate(compute_rate)} images/s")
     lines.append(f"         roofline {units.ms(roof.bound_s)} ms/image vs {units.ms(roof.measured_s)} ms measured "
                  f"({roof.share_of_peak:.1%} of the {roof.dtype} peak)")
+    if roof.share_of_ceiling is not None:
+        lines.append(f"         kernels' ceiling {units.ms(roof.ceiling_s)} ms/image (each convolution and matmul alone, "
+                     f"in its fastest layout): the step runs at {roof.share_of_ceiling:.0%} of it, the kernels at "
+                     f"{roof.kernels_share_of_peak:.0%} of the peak")
     if r.storage:
         lines.append(f"STORAGE  {r.storage['sentence']}")
     lines += ["", "Where the time goes (median per step)"]
@@ -77,11 +81,31 @@ def render_text(r) -> str:
         fs = l.flops / max(cost.forward_flops, 1)
         lines.append(f"  {l.name[:22]:22s} {l.kind[:14]:14s} {_shape(l.output_shape):>14s} {l.params:>11,} {ps:4.0%} "
                      f"{_si(l.flops, ''):>10s} {fs:4.0%}")
+    lines += ceiling_lines(r.ceiling)
     if cost.findings:
         lines += ["", "Findings about the model"]
         lines += [f"  - {f}" for f in cost.findings]
     lines += ["", f"({r.seconds:.0f} s)"]
     return "\n".join(lines)
+
+
+def ceiling_lines(c, top: int = 8) -> list[str]:
+    """The kernels' ceiling layer by layer: the slowest configurations first."""
+    if c is None or not c.kernels:
+        return []
+    total = c.step_s
+    lines = ["", f"Kernels alone: each convolution and matmul, forward + backward at batch {c.batch_size}, "
+                 f"{c.precision}, in its fastest layout ({units.ms(total)} ms a step in all; measured in "
+                 f"{c.seconds_to_time:.0f} s)"]
+    ranked = sorted(c.kernels, key=lambda k: -k.seconds * len(k.layers))
+    for k in ranked[:top]:
+        names = k.layers[0] + (f" (+{len(k.layers) - 1} alike)" if len(k.layers) > 1 else "")
+        lines.append(f"  {names[:34]:34s} {k.kind[:8]:8s} {_shape(k.input_shape):>14s} in  "
+                     f"{units.ms(k.seconds * len(k.layers)):>9s} ms {k.seconds * len(k.layers) / total:4.0%}  {k.layout}")
+    if len(ranked) > top:
+        rest = sum(k.seconds * len(k.layers) for k in ranked[top:])
+        lines.append(f"  {f'{len(ranked) - top} more':34s} {'':8s} {'':>14s}     {units.ms(rest):>9s} ms {rest / total:4.0%}")
+    return lines
 
 
 def _gain(rec) -> str:
@@ -186,6 +210,8 @@ def advice_html(r) -> str:
     parts.append(f"<p>{e(units.rate(t.images_per_s))} images/s now; the compute side alone runs at "
                  f"{e(units.rate(compute_rate))} images/s ({e(r.speed.label())}, "
                  f"{e(r.system['device'])}).</p>")
+    if r.roofline.share_of_ceiling is not None:
+        parts.append(f"<p><b>Kernels' ceiling:</b> {e(r.roofline.ceiling_sentence())}.</p>")
     if r.storage:
         parts.append(f"<p><b>Storage:</b> {e(r.storage['sentence'])}</p>")
     parts.append("<h2>What to do</h2>")

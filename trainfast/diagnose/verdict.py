@@ -25,6 +25,7 @@ class Roofline:
     achieved_flops: float  # training FLOPs per second during the compute stages
     peak_flops: float
     dtype: str
+    ceiling_s: float | None = None  # per image: the kernels' ceiling (diagnose.ceiling), where measured
 
     @property
     def bound_s(self) -> float:
@@ -34,16 +35,41 @@ class Roofline:
     def share_of_peak(self) -> float:
         return self.achieved_flops / self.peak_flops if self.peak_flops else 0.0
 
+    @property
+    def share_of_ceiling(self) -> float | None:
+        """The kernels' ceiling over the measured time: 1.0 where the step is nothing but its
+        convolutions and matrix products, each at its best."""
+        return self.ceiling_s / self.measured_s if self.ceiling_s and self.measured_s else None
+
+    @property
+    def kernels_share_of_peak(self) -> float | None:
+        """The FLOP rate of the kernels alone, as a share of the peak: how well they suit these shapes."""
+        if not self.ceiling_s or not self.peak_flops:
+            return None
+        return self.compute_s / self.ceiling_s
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "bound_s": self.bound_s, "share_of_peak": self.share_of_peak}
+        return {**asdict(self), "bound_s": self.bound_s, "share_of_peak": self.share_of_peak,
+                "share_of_ceiling": self.share_of_ceiling, "kernels_share_of_peak": self.kernels_share_of_peak}
+
+    def ceiling_sentence(self) -> str:
+        """What the kernels' ceiling says about the step, in words ('' where not measured)."""
+        if self.share_of_ceiling is None:
+            return ""
+        return (f"its convolutions and matrix products alone, each in its fastest layout, would take "
+                f"{self.ceiling_s * 1e3:.3g} ms per image against {self.measured_s * 1e3:.3g} ms measured: the step "
+                f"runs at {self.share_of_ceiling:.0%} of what its kernels allow (the rest is activations, pooling, "
+                f"dropout, normalisation, the optimizer and per-operator overhead), and the kernels themselves reach "
+                f"{self.kernels_share_of_peak:.0%} of the {self.dtype} matmul peak on these shapes")
 
 
-def roofline(cost: ModelCost, times: StepTimes, peaks: dict, precision: str) -> Roofline:
+def roofline(cost: ModelCost, times: StepTimes, peaks: dict, precision: str, ceiling=None) -> Roofline:
     """Per-image time bounds from the model's FLOPs and bytes and the device's measured peaks.
 
     Memory bound (an estimate): every activation is written in forward, read and its
     gradient written in backward (3 passes), and the weights are read twice and their
-    gradients written once per step, shared over the batch.
+    gradients written once per step, shared over the batch. `ceiling`: the kernels' ceiling
+    (diagnose.ceiling.Ceiling) where measured.
     """
     dtype = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
     flops = peaks["matmul_flops"]
@@ -54,7 +80,7 @@ def roofline(cost: ModelCost, times: StepTimes, peaks: dict, precision: str) -> 
     measured = compute_stage / max(times.batch_size, 1)
     return Roofline(compute_s=cost.train_flops / peak, memory_s=bytes_per_image / peaks["copy_bytes"],
                     measured_s=measured, achieved_flops=cost.train_flops / measured if measured else 0.0,
-                    peak_flops=peak, dtype=dtype)
+                    peak_flops=peak, dtype=dtype, ceiling_s=ceiling.per_image_s if ceiling else None)
 
 
 @dataclass
@@ -80,10 +106,16 @@ def verdict(times: StepTimes, roof: Roofline) -> Verdict:
                        f"{roof.share_of_peak:.1%} of its measured peak; per-step overhead, not arithmetic, "
                        "sets the pace")
     if roof.share_of_peak < OVERHEAD_SHARE_OF_PEAK:  # the model's own work, but not its arithmetic
+        where = ("the time goes to memory traffic and per-layer work (depthwise or grouped convolutions, "
+                 "normalisation, activations) that FLOP counts do not show")
+        if roof.share_of_ceiling is not None:  # measured, not guessed: around the kernels, or in them
+            where = (f"its convolutions and matrix products alone take {roof.share_of_ceiling:.0%} of the step's "
+                     f"compute and reach {roof.kernels_share_of_peak:.0%} of the peak on these shapes; the rest of "
+                     "the time goes around them (activations, pooling, normalisation, the optimizer, per-operator "
+                     "overhead)")
         return Verdict("compute-bound", "", f"compute-bound: data wait is {data_share:.0%} of the step; the model's "
                        f"own work sets the pace, yet its arithmetic reaches only {roof.share_of_peak:.1%} of the "
-                       "device's measured peak: the time goes to memory traffic and per-layer work (depthwise or "
-                       "grouped convolutions, normalisation, activations) that FLOP counts do not show")
+                       f"device's measured peak: {where}")
     return Verdict("compute-bound", "", f"compute-bound: data wait is {data_share:.0%} of the step; the "
                    f"model's arithmetic runs at {roof.share_of_peak:.0%} of the device's measured peak")
 

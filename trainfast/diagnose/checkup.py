@@ -234,7 +234,7 @@ def _ceiling(net, cost, batch: int, precision: str, dev, progress: bool, log) ->
     if not n:
         return None
     log(f"timing the model's {n} distinct convolution and matrix-product layers alone (the kernels' ceiling)…")
-    with _bar(progress, n, "timing kernels") as bar:
+    with _bar(progress, n, "timing kernels", unit="layer") as bar:
         return kernel_ceiling(net, cost, batch, precision, dev, on_layer=lambda: bar.update())
 
 
@@ -277,7 +277,7 @@ def _data_side(batches) -> str:
     return f"the training process itself, as far as the doctor can see (a {type(batches).__name__})"
 
 
-def _bar(progress: bool, total: int, desc: str):
+def _bar(progress: bool, total: int, desc: str, unit: str = "step"):
     """A progress bar (a widget in a notebook, a line on stderr in a terminal) that vanishes when done."""
     from trainfast.progress import tqdm
-    return tqdm(total=total, desc=desc, unit="step", disable=not progress, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, disable=not progress, leave=False)

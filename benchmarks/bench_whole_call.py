@@ -5,9 +5,9 @@ validation_data=...)` on the same learnable images, for the users' three CNNs.
     python benchmarks/bench_whole_call.py [--models cifar_cnn plate_cnn classifier512] [--rounds 2]
 
 Each side runs in a fresh process of its own, the sides alternating round by round (Keras first
-in odd rounds). The images are made the same way on both sides (numpy, seeded): dim noise with
-each label drawn into its image (a bright square at the class's place; for the plates, each
-character's index as a column of bars), so both sides can learn them; 10% more are the held-out
+in odd rounds). The images are made the same way on both sides (seeded): for the plates, rendered plate
+photos (trainfast.datasets.plates), else dim noise with each label drawn into its image (a
+bright square at the class's place), so both sides can learn them; 10% more are the held-out
 set both validate on after every epoch. Keras gets the arrays in memory as float32 in [0, 1], its
 best policy on this CPU (mixed_bfloat16 where the CPU has bf16 instructions, else float32; both
 with --keras-policies) and a warm-up fit of two batches first (tracing), which is not timed.
@@ -39,19 +39,14 @@ SHAPES = {"cifar_cnn": ((32, 32), (10,)), "plate_cnn": ((64, 128), (8, 36)), "cl
 
 
 def learnable(name: str, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """n images (N, H, W, 3) uint8 and their labels: dim noise with the label drawn in."""
+    """n images (N, H, W, 3) uint8 and their labels: for the plates, rendered plate photos
+    (trainfast.datasets.plates: a glyph per character, in several fonts, with perspective, blur and
+    noise; ~7 ms each), resized to the model's input; else dim noise with the label drawn in."""
     (h, w), out = SHAPES[name]
     rng = np.random.default_rng(seed)
+    if len(out) == 2:  # L characters of K symbols
+        return _plates(n, seed, (h, w))
     x = rng.integers(0, 96, (n, h, w, 3), dtype=np.uint8)
-    if len(out) == 2:  # L characters of K symbols: character p's index as 6 bars in column p
-        length, k = out
-        y = rng.integers(0, k, (n, length))
-        cw, bh = w // length, h // 6
-        for p in range(length):
-            for bit in range(6):
-                on = (y[:, p] >> bit) & 1 == 1
-                x[on, bit * bh:(bit + 1) * bh, p * cw + 2:(p + 1) * cw - 2, p % 3] += 150
-        return x, y
     k = out[0]
     y = rng.integers(0, k, n)
     s = h // 4
@@ -60,6 +55,22 @@ def learnable(name: str, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         for i in np.flatnonzero(y == c):
             dy, dx = rng.integers(0, max(s // 4, 1), 2)
             x[i, r * s + dy:(r + 1) * s + dy - s // 4, col * s + dx:(col + 1) * s + dx - s // 4, c % 3] += 150
+    return x, y
+
+
+def _plates(n: int, seed: int, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    import io
+
+    from PIL import Image
+
+    from trainfast.datasets.plates import font_paths, render
+
+    fonts, (h, w) = font_paths(), size
+    x, y = np.empty((n, h, w, 3), np.uint8), np.empty((n, 8), np.int64)
+    for i in range(n):
+        jpeg, text, _ = render(seed, i, fonts)
+        x[i] = np.asarray(Image.open(io.BytesIO(jpeg)).convert("RGB").resize((w, h), Image.BILINEAR))
+        y[i] = [ALPHABET.index(ch) for ch in text]
     return x, y
 
 

@@ -131,6 +131,15 @@ def small():
 
 
 @pytest.fixture(scope="session")
+def noise_pack16(tmp_path_factory):
+    """128 noise images of 16×16 RGB in 4 classes, packed: enough for a doctor's few steps."""
+    import trainfast
+    images = np.random.default_rng(0).integers(0, 255, (128, 16, 16, 3), dtype=np.uint8)
+    return trainfast.pack((images, np.arange(128) % 4), tmp_path_factory.mktemp("noise16") / "p", size=(16, 16),
+                          progress=False)
+
+
+@pytest.fixture(scope="session")
 def small_net_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("models") / "small_net.py"
     path.write_text(SMALL_NET)

@@ -3,12 +3,10 @@ and backward, in its fastest layout, and what the doctor says with it."""
 
 import json
 
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
-import trainfast
 from trainfast.diagnose import doctor
 from trainfast.diagnose import ceiling as ceiling_mod
 from trainfast.diagnose.ceiling import Ceiling, KernelTime, kernel_ceiling
@@ -88,22 +86,15 @@ def test_ceiling_to_dict_holds_the_kernels():
     assert d["step_s"] == pytest.approx(0.02) and d["kernels"][0]["layers"] == ["a", "b"]
 
 
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    images = np.random.default_rng(0).integers(0, 255, (64, 16, 16, 3), dtype=np.uint8)
-    return trainfast.pack((images, np.arange(64) % 4), tmp_path_factory.mktemp("d") / "p", size=(16, 16),
-                          progress=False)
-
-
-def test_the_doctor_reports_the_ceiling_and_can_leave_it_out(pack, device):
-    r = doctor(Repeated(), pack, batch_size=16, steps=2, warmup=1, try_fixes=False, device=device, progress=False)
+def test_the_doctor_reports_the_ceiling_and_can_leave_it_out(noise_pack16, device):
+    r = doctor(Repeated(), noise_pack16, batch_size=16, steps=2, warmup=1, try_fixes=False, device=device, progress=False)
     assert r.ceiling is not None and r.ceiling.batch_size == 16 and r.roofline.ceiling_s == r.ceiling.per_image_s
     text = r.text()
     assert "kernels' ceiling" in text and "Kernels alone" in text and "blocks.0 (+1 alike)" in text
     d = json.loads(json.dumps(r.to_dict()))
     assert d["ceiling"]["step_s"] > 0 and d["roofline"]["share_of_ceiling"] > 0
     assert "Kernels' ceiling" in r.html()
-    off = doctor(Repeated(), pack, batch_size=16, steps=2, warmup=1, try_fixes=False, ceiling=False, device=device,
+    off = doctor(Repeated(), noise_pack16, batch_size=16, steps=2, warmup=1, try_fixes=False, ceiling=False, device=device,
                  progress=False)
     assert off.ceiling is None and "kernels' ceiling" not in off.text() and off.to_dict()["ceiling"] is None
 

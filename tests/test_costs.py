@@ -25,6 +25,18 @@ def test_nested_phases_count_once_and_the_rest_is_other():
     assert line.startswith("the call took 0.1") and line.index("training") < line.index("checkpoints")
 
 
+def test_an_attempt_started_over_folds_into_one_phase():
+    c = Costs()
+    with c.phase("training"):
+        time.sleep(0.03)
+    c.fold("attempts started over")
+    with c.phase("training"):
+        time.sleep(0.02)
+    d = c.as_dict()
+    assert d["attempts started over"] >= 0.03 and d["training"] == pytest.approx(0.02, abs=0.015)
+    assert d["total"] >= 0.05
+
+
 def test_costs_are_recorded_where_a_killed_start_left_no_speed_json(tmp_path):
     import json
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import trainfast
 from trainfast import hardware
 from trainfast.cli import main
 from trainfast.diagnose import doctor
@@ -23,11 +22,9 @@ class Tiny(nn.Module):
         return self.net(x)
 
 
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    images = np.random.default_rng(0).integers(0, 255, (128, 16, 16, 3), dtype=np.uint8)
-    return trainfast.pack((images, np.arange(128) % 4), tmp_path_factory.mktemp("d") / "p", size=(16, 16),
-                          progress=False)
+@pytest.fixture
+def pack(noise_pack16):
+    return noise_pack16
 
 
 def test_report_json_schema(pack, device):

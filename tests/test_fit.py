@@ -1066,6 +1066,9 @@ def test_a_run_that_cannot_learn_at_the_default_rate_starts_over_at_half(digits_
     assert r.stopped == "finished" and len(r.history) == 3 and r.model is net
     assert json.loads((run / "config.json").read_text())["lr"] == pytest.approx(half)
     assert len(list(csv.DictReader(open(run / "metrics.csv")))) == 3  # the first attempt's rows are gone
+    # the call's account keeps the attempt started over, as one phase, and adds up to the whole call
+    assert r.costs["attempts started over"] > 0 and r.costs["training"] > 0
+    assert sum(v for k, v in r.costs.items() if k != "total") == pytest.approx(r.costs["total"], rel=1e-6)
     direct = fit(first, train, test, epochs=3, lr=half, speed=Speed(batch_size=64), device="cpu",
                  run_dir=tmp_path / "direct", progress=False, log=lambda m: None)
     for a, b in zip(net.state_dict().values(), direct.model.state_dict().values()):

@@ -29,6 +29,11 @@ class Costs:
             if self._inner:
                 self._inner[-1] += took
 
+    def fold(self, name: str) -> None:
+        """Everything so far as one phase, `name` (an attempt fit started over: its tune and
+        training bought nothing the next attempt keeps)."""
+        self.seconds = {name: self.total()}
+
     def total(self) -> float:
         return time.perf_counter() - self.began
 

@@ -159,7 +159,7 @@ def _start_over(again: StartOver, model, train, val, cfg: TrainConfig, pin, augm
         try:
             with contextlib.ExitStack() as stack:
                 return _fit(model, train, val, replace(cfg, lr=lr), again.speed, pin, augment, device, again.run_dir,
-                            None, False, progress, log, stack, start_overs=left)
+                            None, False, progress, log, stack, start_overs=left, costs=again.costs)
         except StartOver as later:
             again = later
 
@@ -224,11 +224,12 @@ class Chosen:
 
 
 def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_dir, saved, tune, progress, log,
-         stack: contextlib.ExitStack, start_overs: int = 0):
+         stack: contextlib.ExitStack, start_overs: int = 0, costs: Costs | None = None):
     """fit, after its arguments are read; `saved` is the run's config.json when resuming; the run
-    directory's lock is held on `stack` (released when fit returns or fails)."""
+    directory's lock is held on `stack` (released when fit returns or fails). `costs`: the call's
+    account so far, where an attempt before this one was started over."""
     setup = hardware.OtherLoad().__enter__()  # other processes' load, sampled while the run sets up (Threads)
-    costs = Costs()
+    costs = costs or Costs()
     with costs.phase("setup"):
         plan, speed = _plan(model, train, val, cfg, speed, pin, augment, device, run_dir, saved, log, stack,
                             start_overs)
@@ -246,6 +247,10 @@ def _fit(model, train, val, cfg: TrainConfig, speed, pin, augment, device, run_d
                           start_overs)]
     try:
         stopped = run_epochs(run, threads, [w for w in watchers if w is not None], progress)
+    except StartOver as again:
+        costs.fold("attempts started over")
+        again.costs = costs
+        raise
     finally:
         _given_back(plan.given)
     spent = costs.as_dict()

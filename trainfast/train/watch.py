@@ -91,6 +91,7 @@ class StartOver(GivesWay):
     def __init__(self, why: str, run_dir: Path, speed: Speed, lr: float, first_weights: dict):
         super().__init__(why)
         self.why, self.run_dir, self.speed, self.lr, self.first_weights = why, run_dir, speed, lr, first_weights
+        self.costs = None  # the call's account so far (train.costs.Costs), which the next attempt goes on with
 
 
 START_OVERS = 2

@@ -342,3 +342,19 @@ def test_a_killed_doctor_scratch_folder_is_removed_by_the_next(tmp_path, monkeyp
         assert tmp.parent == tmp_path / "cache" / "doctor" and tmp.name.startswith(f"{os.getpid()}-")
         (tmp / "x").write_text("x")
     assert not left.exists() and alive.exists() and not tmp.exists()
+
+
+def test_the_rewrites_are_a_fix_tried_on_a_cpu_where_they_change_the_model(monkeypatch):
+    from trainfast.config import Speed
+    from trainfast.diagnose.remedies import _compute_candidates
+    from trainfast.models import rewrite
+
+    def tried(speed, dev, net):
+        return [c for c, title, _ in _compute_candidates(speed, torch.device(dev), 0.0, net) if "rewrites" in title]
+    with_dropout = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Dropout(0.25), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+    assert tried(Speed(batch_size=64), "cpu", with_dropout) == [Speed(batch_size=64, rewrites=rewrite.ALL)]
+    assert not tried(Speed(batch_size=64), "cpu", nn.Sequential(nn.Flatten(), nn.Linear(8, 4)))  # nothing to rewrite
+    assert not tried(Speed(batch_size=64, rewrites=rewrite.ALL), "cpu", with_dropout)  # on already
+    monkeypatch.setattr("trainfast.hardware.fast_precisions", lambda dev: ["fp32"])
+    monkeypatch.setattr("trainfast.step.supports_bf16", lambda dev: False)
+    assert not tried(Speed(batch_size=64), "cuda", with_dropout)  # torch's CUDA dropout is one fused kernel already

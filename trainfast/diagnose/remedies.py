@@ -1,7 +1,7 @@
 """The doctor's fixes, tried on the spot (`trainfast.doctor`, try_fixes): each candidate is timed
 for a few steps against the step's own setting and kept where it gains 5% or more: the data wait
 taken off (a pack of a sample of the files, the Loader's settings), the compute side's settings
-(precision, memory format, batch size, threads), and the device itself."""
+(precision, memory format, batch size, threads, on a CPU trainfast's rewrites), and the device itself."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from trainfast.data.sources import Source
 from trainfast.diagnose.timing import StepTimes, synthetic_batches, throughput
 from trainfast.diagnose.verdict import Recommendation
 from trainfast.errors import TrainfastError
+from trainfast.models import rewrite
 from trainfast.units import shell_arg
 
 TRIAL_STEPS = 8  # steps of each fix's trial: 2 warm-up, 6 timed
@@ -83,9 +84,15 @@ def _input_fixes(report, src, pk, compute_step: float, dev, log) -> list[Recomme
         f"estimate: the step without its {units.ms(t.data)} ms data wait")]
 
 
-def _compute_candidates(speed: Speed, dev, other_load) -> list[tuple[Speed, str, str]]:
+def _compute_candidates(speed: Speed, dev, other_load, net=None) -> list[tuple[Speed, str, str]]:
     """The settings worth timing against the step's own: (setting, title, what to write)."""
     candidates = []
+    if dev.type == "cpu" and net is not None and not speed.rewrites and rewrite.applies(net):
+        # on a CPU torch's dropout draws its mask one element at a time (27% of the 512² classifier's step)
+        candidates.append((replace(speed, rewrites=rewrite.ALL), "trainfast's rewrites (cheaper dropout masks, "
+                           "pooling before ReLU, ReLU in place)",
+                           "from trainfast.models import rewrite; rewrite.apply(model, rewrite.ALL)   "
+                           "(trainfast train applies them where they pay)"))
     bf16 = _step.supports_bf16(dev) and speed.precision == "fp32"
     if bf16:
         candidates.append((replace(speed, precision="bf16"), "bf16 autocast",
@@ -122,7 +129,7 @@ def _compute_fixes(net, report, compute_step: float, dev, log, bar) -> list[Reco
     base = _compute_rate(net, shape, out_shape, speed, dev, bar.update)
     if not base:
         return []
-    candidates = _compute_candidates(speed, dev, report.other_load)
+    candidates = _compute_candidates(speed, dev, report.other_load, net)
     bar.total += TRIAL_STEPS * len(candidates)
     bar.refresh()
     threads, recs = torch.get_num_threads(), []

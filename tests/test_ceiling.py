@@ -106,3 +106,22 @@ def test_bf16_ceiling_times_bf16_kernels(monkeypatch):
     net = Repeated()
     kernel_ceiling(net, layer_costs(net, net.input_shape), 2, "bf16", "cpu")
     assert seen and set(seen) == {torch.bfloat16}
+
+
+def test_a_frozen_stem_is_timed_forward_only():
+    """Fine-tuning freezes the layers that read the images: they have nothing to backpropagate."""
+    net = Repeated()
+    net.stem.requires_grad_(False)
+    c = kernel_ceiling(net, layer_costs(net, net.input_shape), 4, "fp32", "cpu")
+    assert {k.layers[0] for k in c.kernels} == {"stem", "blocks.0", "head"} and all(k.seconds > 0 for k in c.kernels)
+
+
+def test_a_layer_that_fails_alone_leaves_the_ceiling_out_not_the_report(noise_pack16, monkeypatch):
+    def fails(*args):
+        raise RuntimeError("this layer will not run alone")
+    monkeypatch.setattr(ceiling_mod, "_time_layer", fails)
+    said = []
+    r = doctor(Repeated(), noise_pack16, batch_size=16, steps=2, warmup=1, try_fixes=False, device="cpu",
+               progress=False, log=said.append)
+    assert r.ceiling is None and r.roofline.ceiling_s is None and "kernels' ceiling" not in r.text()
+    assert any("kernels' ceiling left out" in m and "will not run alone" in m for m in said)

@@ -261,7 +261,8 @@ def test_the_html_report_puts_the_advice_first_and_fits_1280_px(pack, tmp_path, 
     page = r.html()
     assert page.index("Busy machine") < page.index("What to do") < page.index("<svg")
     assert "Busy machine" in page and "physical cores" in page and page.index("Cores") < page.index("<svg")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    chromium = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome",
+                                                   "chromium-headless-shell"))), None)
     if not chromium:
         pytest.skip("no Chromium here to render the page")
     probe = tmp_path / "r.html"

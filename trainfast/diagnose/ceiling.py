@@ -12,7 +12,7 @@ different model or device can change).
 
 Each distinct layer configuration is timed once (a ResNet's repeated blocks share theirs):
 one warm-up, then the best of TIMED runs, each a forward and a backward with the gradients of
-the weights and, except for the layer that reads the images, of its input.
+the weights (where they train) and, except for the layer that reads the images, of its input.
 """
 
 from __future__ import annotations
@@ -40,6 +40,11 @@ class KernelTime:
     seconds: float  # one layer's best forward + backward at the batch
     layout: str  # "channels_last" or "plain"
 
+    @property
+    def total_s(self) -> float:
+        """All the layers of this configuration, per step."""
+        return self.seconds * len(self.layers)
+
 
 @dataclass
 class Ceiling:
@@ -51,7 +56,7 @@ class Ceiling:
     @property
     def step_s(self) -> float:
         """The sum over every convolution and matrix product of the model, per step."""
-        return sum(k.seconds * len(k.layers) for k in self.kernels)
+        return sum(k.total_s for k in self.kernels)
 
     @property
     def per_image_s(self) -> float:
@@ -130,6 +135,8 @@ def _time_layer(module: nn.Module, input_shape: tuple, needs_input_grad: bool, b
         layer = layer.to(memory_format=fmt)
         x = x.contiguous(memory_format=fmt)
     x.requires_grad_(needs_input_grad)
+    # a frozen layer that reads the images (a fine-tuned model's stem) has no backward in training
+    trains = needs_input_grad or any(p.requires_grad for p in layer.parameters())
     with torch.no_grad():
         grad = torch.randn_like(layer(x))
 
@@ -138,7 +145,9 @@ def _time_layer(module: nn.Module, input_shape: tuple, needs_input_grad: bool, b
             p.grad = None  # as a training step's zero_grad(set_to_none=True) leaves them
         _sync(dev)
         t = time.perf_counter()
-        layer(x).backward(grad)
+        out = layer(x)
+        if trains:
+            out.backward(grad)
         _sync(dev)
         return time.perf_counter() - t
 

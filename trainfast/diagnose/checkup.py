@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from trainfast import hardware, models, units
@@ -35,7 +36,7 @@ from trainfast.diagnose.cost import ModelCost, layer_costs, measured_findings
 from trainfast.diagnose.storage import read_throughput, storage_sentence
 from trainfast.diagnose.timing import StepTimes, step_breakdown, throughput
 from trainfast.diagnose.verdict import Recommendation, Roofline, Verdict, cores_sentence, roofline, verdict
-from trainfast.errors import TrainfastError
+from trainfast.errors import TrainfastError, in_words
 
 SCHEMA_VERSION = 1
 
@@ -234,8 +235,12 @@ def _ceiling(net, cost, batch: int, precision: str, dev, progress: bool, log) ->
     if not n:
         return None
     log(f"timing the model's {n} distinct convolution and matrix-product layers alone (the kernels' ceiling)…")
-    with _bar(progress, n, "timing kernels", unit="layer") as bar:
-        return kernel_ceiling(net, cost, batch, precision, dev, on_layer=lambda: bar.update())
+    try:
+        with _bar(progress, n, "timing kernels", unit="layer") as bar:
+            return kernel_ceiling(net, cost, batch, precision, dev, on_layer=lambda: bar.update())
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # a layer that will not run alone: no ceiling, no lost report
+        log(f"   kernels' ceiling left out: a layer failed when timed alone ({in_words(e, 120)})")
+        return None
 
 
 def _timed_steps(net, batches, dev, speed: Speed, steps: int, warmup: int, progress: bool):

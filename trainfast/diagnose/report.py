@@ -97,13 +97,13 @@ def ceiling_lines(c, top: int = 8) -> list[str]:
     lines = ["", f"Kernels alone: each convolution and matmul, forward + backward at batch {c.batch_size}, "
                  f"{c.precision}, in its fastest layout ({units.ms(total)} ms a step in all; measured in "
                  f"{c.seconds_to_time:.0f} s)"]
-    ranked = sorted(c.kernels, key=lambda k: -k.seconds * len(k.layers))
+    ranked = sorted(c.kernels, key=lambda k: -k.total_s)
     for k in ranked[:top]:
         names = k.layers[0] + (f" (+{len(k.layers) - 1} alike)" if len(k.layers) > 1 else "")
         lines.append(f"  {names[:34]:34s} {k.kind[:8]:8s} {_shape(k.input_shape):>14s} in  "
-                     f"{units.ms(k.seconds * len(k.layers)):>9s} ms {k.seconds * len(k.layers) / total:4.0%}  {k.layout}")
+                     f"{units.ms(k.total_s):>9s} ms {k.total_s / total:4.0%}  {k.layout}")
     if len(ranked) > top:
-        rest = sum(k.seconds * len(k.layers) for k in ranked[top:])
+        rest = sum(k.total_s for k in ranked[top:])
         lines.append(f"  {f'{len(ranked) - top} more':34s} {'':8s} {'':>14s}     {units.ms(rest):>9s} ms {rest / total:4.0%}")
     return lines
 

@@ -4,10 +4,9 @@ the run is long enough to search at all."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import math
 import time
+from dataclasses import replace
 
 
 from trainfast import hardware, units
@@ -143,8 +142,8 @@ def short_run(probe, bench: Bench, search, in_run: bool = False
     if not short:
         return None
     rows, best, candidate = [ref], ref, None
-    likely = next((replace(first, precision=p, channels_last=True) for p in search.precisions
-                   if _step.check(replace(first, precision=p, channels_last=True), bench.dev) is None), None)
+    likely = next((s for s in (replace(first, precision=p, channels_last=True) for p in search.precisions)
+                   if _step.check(s, bench.dev) is None), None)
     if likely is not None and likely != first and in_run:
         candidate = likely
     elif likely is not None and likely != first:

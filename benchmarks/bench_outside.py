@@ -108,7 +108,7 @@ def plain(net, train, test, epochs: int, seed: int = 0) -> dict:
     return {"acc": accs, "at": at, "images_per_s": statistics.median(rates)}
 
 
-def with_fit(net, train, test, epochs: int, cache: Path) -> dict:
+def with_fit(net, train, test, epochs: int, cache: Path, **kw) -> dict:
     import trainfast
 
     os.environ["TRAINFAST_CACHE"] = str(cache)  # empty: the tune is paid as a first run pays it
@@ -122,7 +122,7 @@ def with_fit(net, train, test, epochs: int, cache: Path) -> dict:
             at.append(time.perf_counter() - start)
     try:
         r = trainfast.fit(net, train, test, epochs=epochs, device="cpu", run_dir=cache / "run", progress=False,
-                          log=log)
+                          log=log, **kw)
     except trainfast.TrainfastError as e:
         return {"error": str(e), "acc": [], "at": [], "images_per_s": None, "log": lines}
     return {"acc": [row["val_acc"] for row in r.history], "at": at, "log": lines, "speed": r.speed.label(),

@@ -627,6 +627,27 @@ def test_a_steady_pace_is_not_timed_again(digits_packs, tmp_path, monkeypatch):
         assert len(begun) == trials, (costs, len(begun))
 
 
+@pytest.mark.parametrize("later,trials", [(1.3, 1), (2.0, 2)])
+def test_a_drift_is_not_timed_again_a_neighbour_is(digits_packs, tmp_path, monkeypatch, later, trials):
+    """Issue 51.4: a trial's laps at fewer threads sum in another order, so each trial moves the
+    run's numbers. After the first, the steps slowing 1.3× (a shared machine's own drift) is not
+    timed again, so two runs of the same call keep the same numbers; 2× slower (a neighbour at
+    equal priority) is."""
+    from trainfast.train import adapt
+
+    train, _ = digits_packs
+    monkeypatch.setattr(adapt.Threads, "RECHECK", 1)
+    begun, kept = [], []
+    real_begin, real_keep = adapt.Threads._begin, adapt.Threads._keep
+    monkeypatch.setattr(adapt.Threads, "_begin", lambda self, t: begun.append(t) or real_begin(self, t))
+    monkeypatch.setattr(adapt.Threads, "_keep", lambda self, med: kept.append(med) or real_keep(self, med))
+    step_clock(monkeypatch, lambda n: {2: 0.05, 1: 0.09}[n] * (later if kept else 1.0))
+    torch.set_num_threads(2)
+    fit(_linear(), train, epochs=4, speed=Speed(batch_size=64), device="cpu", run_dir=tmp_path / "run",
+        progress=False, log=lambda *a: None)
+    assert len(begun) == trials
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
 def test_a_low_priority_neighbour_does_not_take_a_thread(digits_packs, tmp_path):
     """Issue 51.2: a spinning process at nice 19 keeps a core busy and yields it at once; the

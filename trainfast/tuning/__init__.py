@@ -7,13 +7,16 @@ shared search.Search) decides what to time next. The search is pruned, not exhau
 reference, fp32 in the plain layout: on a CPU at a batch whose step stays short
 (start_batch_for) and with the rewrite passes (trainfast.models.rewrite) where they change the
 model, on CUDA at the batch that fills the device (_fill: below it every setting is
-launch-bound and they all look alike). (1) precision (fp32, bf16; on CUDA also tf32 and fp16)
-in channels_last; (2) the winner with the rewrites toggled (on CUDA added, on a CPU left out),
-then each precision in the plain layout; (3) batch sizes, powers of two, with the winner so far,
+launch-bound and they all look alike). (1) the opening: each precision (fp32, bf16; on CUDA also
+tf32 and fp16) in channels_last, and the likeliest of them with the rewrites toggled (on CUDA
+added, on a CPU left out); on a CPU timed together with the reference, their steps in turns
+(together.py: one timing alone swings 10-30% there, and the machine's speed drifts); (2) the
+winner with the rewrites toggled where the opening did not time that, then each precision in
+the plain layout; (3) batch sizes, powers of two, with the winner so far,
 until memory runs out or two doublings in a row are slower, then the rewrites once more at
 the new batch; (4) CPU threads, if torch uses fewer than the physical cores; (5) a final: the
-fastest few and the winner's neighbours timed round-robin twice more, so that a slow spell of a
-shared machine falls on all of them; the best median wins, so that one lucky timing does not;
+fastest few and the winner's neighbours timed round-robin twice more (on a CPU each round
+together, in turns), so that a slow spell of a shared machine falls on all of them; the best median wins, so that one lucky timing does not;
 (6) torch.compile of the winner (its compile time reported apart; on CUDA with CUDA graphs).
 
 A candidate counts only if its loss on the same first batch, from the same weights, is finite
@@ -25,7 +28,7 @@ share), says so, and does not cache its choice as the
 machine's (a busy tune once chose batch 4 and a quiet run reused it at a quarter of the speed).
 
 
-Rooms: measure (timing one candidate, the loss check), budget (the bound, the measuring core, a
+Rooms: measure (timing one candidate, the loss check), together (several in turns), budget (the bound, the measuring core, a
 short run's quick timing), search (the strategies), result (Trial, TuneResult, the batch rules
 fit reads), tuner (tune() and its cache).
 """

@@ -32,9 +32,10 @@ class Bench:
     loss. The searches (CpuSearch, CudaSearch) only decide what to time next."""
 
     def __init__(self, model, input_shape, out_shape, dev, measure, log, *, max_seconds, planned_images,
-                 budget_share, forward_s: float | None = None):
+                 budget_share, forward_s: float | None = None, together=None):
         self.model, self.input_shape, self.out_shape, self.dev = model, input_shape, out_shape, dev
         self.measure, self.log = measure, log
+        self.together = together  # times several settings in turns (together.measure_together); None: one by one
         self.max_seconds, self.planned_images, self.budget_share = max_seconds, planned_images, budget_share
         self.rows: list[Trial] = []
         self.not_timed: list[str] = []
@@ -62,37 +63,92 @@ class Bench:
         return seconds * max(1.0, speed.batch_size / last.batch_size) + (COMPILE_GUESS_S * self.slowdown
                                                                            if compiling else 0.0)
 
-    def run(self, speed: Speed) -> Trial:
-        """Time `speed` (or say why not), log it, and keep the row."""
-        if any(r.images_per_s for r in self.rows) and self.budget() is not None:  # the reference is always timed
-            left = self.budget() - (clock() - self.started)
-            # One that would end past the bound is not begun; the second always is: the likely winner.
-            if left <= 0 or (len(self.took) >= 2 and left < self.expected_s(speed)):
-                self.not_timed.append(speed.label())
-                return Trial(speed, None, note="not timed: the tune's budget is spent")
-        reason = _step.check(speed, self.dev)
-        if reason:
-            trial = Trial(speed, None, note=f"skipped: {reason}")
-        else:
-            t = clock()
-            with hardware.OtherLoad() as load:
-                trial = self.measure(self.model, self.input_shape, self.out_shape, speed, self.dev)
-            trial.other_cores = load.cores
-            self.took.append((clock() - t, speed))
+    def _spent(self, expected: float) -> bool:
+        """Whether a measurement expected to take `expected` s is not to be begun: it would end
+        past the bound (the reference is always timed, and the second measurement, the likely
+        winner, always begun)."""
+        if not any(r.images_per_s for r in self.rows) or self.budget() is None:
+            return False
+        left = self.budget() - (clock() - self.started)
+        return left <= 0 or (len(self.took) >= 2 and left < expected)
+
+    def _keep(self, trial: Trial) -> Trial:
+        """Log a trial and keep its row."""
         self.rows.append(trial)
         if self.plan and trial.images_per_s:
             self.plan["rate"] = max(self.plan["rate"], trial.images_per_s)
         shown = f"{units.rate(trial.images_per_s)} images/s" if trial.images_per_s else trial.note
         busy = f"   (other processes: {trial.other_cores:.1f} cores)" if hardware.is_busy(trial.other_cores) else ""
-        self.log(f"  {speed.label():53s} {shown}{busy}")
+        self.log(f"  {trial.speed.label():53s} {shown}{busy}")
         return trial
+
+    def _not_timed(self, speed: Speed) -> Trial:
+        self.not_timed.append(speed.label())
+        return Trial(speed, None, note="not timed: the tune's budget is spent")
+
+    def run(self, speed: Speed) -> Trial:
+        """Time `speed` (or say why not), log it, and keep the row."""
+        if self._spent(self.expected_s(speed) if self.took else 0.0):
+            return self._not_timed(speed)
+        reason = _step.check(speed, self.dev)
+        if reason:
+            return self._keep(Trial(speed, None, note=f"skipped: {reason}"))
+        t = clock()
+        with hardware.OtherLoad() as load:
+            trial = self.measure(self.model, self.input_shape, self.out_shape, speed, self.dev)
+        trial.other_cores = load.cores
+        self.took.append((clock() - t, speed))
+        return self._keep(trial)
+
+    def run_many(self, speeds: list[Speed]) -> list[Trial]:
+        """Time `speeds`, a Trial each in their order: together, their steps in turns, where this
+        bench has such a timing (self.together) and two or more of them run here; else one by
+        one (run). Those the budget has no room for are not timed, the last first; a compile is
+        timed alone."""
+        if self.together is None or any(s.compile for s in speeds):
+            return [self.run(s) for s in speeds]
+        out: dict[int, Trial] = {}
+        runnable = []
+        for i, s in enumerate(speeds):
+            reason = _step.check(s, self.dev)
+            if reason:
+                out[i] = Trial(s, None, note=f"skipped: {reason}")
+            else:
+                runnable.append(i)
+        while runnable and self.took and self._spent(sum(self.expected_s(speeds[i]) for i in runnable)):
+            i = runnable.pop()
+            out[i] = self._not_timed(speeds[i])
+        if len(runnable) >= 2:
+            self.log(f"  (the next {len(runnable)} timed together, their steps in turns)")
+            t = clock()
+            with hardware.OtherLoad() as load:
+                trials = self.together(self.model, self.input_shape, self.out_shape, [speeds[i] for i in runnable],
+                                       self.dev)
+            each = (clock() - t) / len(runnable)
+            for i, trial in zip(runnable, trials):
+                trial.other_cores = load.cores
+                self.took.append((each, speeds[i]))
+                out[i] = trial
+        for i in range(len(speeds)):
+            if i in runnable and len(runnable) == 1:
+                out[i] = self.run(speeds[i])
+            elif i in runnable or out[i].note.startswith("skipped"):
+                self._keep(out[i])
+        return [out[i] for i in range(len(speeds))]
+
+    def timed(self, speed: Speed) -> bool:
+        """Whether `speed` has a row already (timed, skipped or failed)."""
+        return any(r.speed.label() == speed.label() for r in self.rows)
 
     def set_reference(self, ref: Trial) -> None:
         """The first timing: fp32, plain layout; every other setting's loss is judged against its."""
         if ref.images_per_s is None:
             raise TrainfastError(f"the model does not train at all on {self.dev}: {ref.note}")
         self.ref = ref
-        self.plan.update(first=clock() - self.started, rate=ref.images_per_s)
+        # The first measurement's time, set-up included; where the reference was timed together
+        # with others, without their share (their time is spent all the same: it counts as spent).
+        first = clock() - self.started - sum(s for s, _ in self.took[1:])
+        self.plan.update(first=first, rate=max(t.images_per_s for t in self.rows if t.images_per_s))
         if self.planned_images and self.budget_share:
             self.log(f"  (tune budget: at most {self.budget():.1f} s in all: after this first measurement "
                      f"({self.plan['first']:.1f} s), {self.budget_share:.0%} of the planned training, "

@@ -46,16 +46,10 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
     first batch's loss, from the model's own weights. A quick timing stops after its warm-up
     where `settled(rate, batch)` says the warm-up's rate (a first step's, which understates
     the rate) is all its caller needs to know."""
-    net = copy.deepcopy(model)
     data = synthetic_batches(shape, out_shape, speed.batch_size, device, n=2)
     compile_s, threads = 0.0, torch.get_num_threads()
     try:
-        net = _step.prepare(net, speed, device)
-        # the soundness check's loss: the same images and labels for every setting and batch size
-        x, y = _step.to_device(*synthetic_batches(shape, out_shape, LOSS_BATCH, device, n=1)[0], speed, device)
-        with torch.no_grad():
-            loss, _ = _step.forward_loss(net.eval(), x, y, speed, device)
-        net.train()
+        net, loss = prepared(model, shape, out_shape, speed, device)
         if speed.compile:
             t = time.perf_counter()
             net = _step.compile_model(net, device)
@@ -73,7 +67,7 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
         else:  # a quick timing: the warm-up steps, timed, size what follows (a first step overstates a step's time)
             warm = throughput(net, data, device=device, speed=speed, steps=max(warmup, 1), warmup=0, optimizer=opt)
             if settled is not None and settled(warm, speed.batch_size):
-                return Trial(speed, warm, float(loss), note="a first step")
+                return Trial(speed, warm, loss, note="a first step")
             per_step = len(data[0][0]) / warm
             n = min(MAX_STEPS, max(steps, math.ceil(QUICK_SPAN_S / max(per_step, 1e-9))))
             rate = throughput(net, data, device=device, speed=speed, steps=n, warmup=0, optimizer=opt)
@@ -83,7 +77,18 @@ def measure_trial(model, shape, out_shape, speed: Speed, device, steps: int = 5,
         return Trial(speed, None, note=f"failed: {in_words(e, 80)}")
     finally:
         torch.set_num_threads(threads)  # a trial that pins threads leaves them as it found them
-    return Trial(speed, rate, float(loss), compile_s)
+    return Trial(speed, rate, loss, compile_s)
+
+
+def prepared(model, shape, out_shape, speed: Speed, device) -> tuple[torch.nn.Module, float]:
+    """A copy of `model` prepared at `speed` (rewrites, layout, device; in training mode), and
+    its loss on the soundness check's batch: the same images and labels for every setting and
+    batch size, from the model's own weights, without dropout."""
+    net = _step.prepare(copy.deepcopy(model), speed, device)
+    x, y = _step.to_device(*synthetic_batches(shape, out_shape, LOSS_BATCH, device, n=1)[0], speed, device)
+    with torch.no_grad():
+        loss, _ = _step.forward_loss(net.eval(), x, y, speed, device)
+    return net.train(), float(loss)
 
 
 def start_batch_for(model: torch.nn.Module, input_shape, device: torch.device, max_batch: int,

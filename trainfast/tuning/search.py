@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from trainfast import hardware
+from trainfast import step as _step
 from trainfast.config import Speed
 from trainfast.models import rewrite
 from trainfast.tuning import measure
@@ -23,18 +24,16 @@ MAX_BATCH = {"cpu": 512, "cuda": 8192}  # the largest batch tried unless the cal
 FILL_GAIN = 1.10  # CUDA: a doubling of the batch that gains less than this has filled the device
 
 
-def _final(rows: list[Trial], finalists: list[Speed], sound, run, rounds: int = FINAL_ROUNDS) -> Trial | None:
-    """Time the finalists round-robin `rounds` times more, and once more any that then has
-    fewer than rounds + 1 timings (one the search did not time); return the one whose timings
-    have the highest median. On a shared machine one timing swings by 10-20%: the single
-    fastest of many noisy timings is partly luck, and a slow spell timed one by one falls on
-    whichever setting it happens to hit."""
+def _final(rows: list[Trial], finalists: list[Speed], sound, run_many, rounds: int = FINAL_ROUNDS) -> Trial | None:
+    """Time the finalists round-robin `rounds` times more (each round together where the bench
+    times in turns), and once more any that then has fewer than rounds + 1 timings (one the
+    search did not time); return the one whose timings have the highest median. On a shared
+    machine one timing swings by 10-20%: the single fastest of many noisy timings is partly
+    luck, and a slow spell timed one by one falls on whichever setting it happens to hit."""
     alive = list({s.label(): s for s in finalists}.values())  # each setting once, in order
     for i in range(rounds + 1):
-        for s in list(alive):
-            if i == rounds and sum(t.speed.label() == s.label() for t in rows) > rounds:
-                continue
-            t = run(s)
+        todo = [s for s in alive if i < rounds or sum(t.speed.label() == s.label() for t in rows) <= rounds]
+        for s, t in zip(todo, run_many(todo)):
             if not sound(t) and not t.note.startswith("not timed"):
                 alive.remove(s)  # out of memory, failed, or its loss is off: out of the final
     timed = {s.label(): [t for t in rows if t.speed.label() == s.label() and sound(t)] for s in alive}
@@ -80,6 +79,17 @@ class Search:
     def reference(self) -> Trial:
         return self.bench.run(self.first_speed())
 
+    def opening(self, first: Speed) -> list[Speed]:
+        """The settings timed beside the reference, together where the bench times in turns:
+        each precision in channels_last (the layout convolutions run fastest in, on CPUs and
+        GPUs alike), and the likeliest of them with the rewrites toggled (added; on a CPU,
+        where they are in from the first, left out)."""
+        speeds = [Speed(p, True, batch_size=first.batch_size, rewrites=self.base) for p in self.precisions]
+        likely = next((s for s in speeds if _step.check(s, self.bench.dev) is None), None)
+        if self.try_rewrites and likely is not None:
+            speeds.append(replace(likely, rewrites=() if likely.rewrites else rewrite.ALL))
+        return speeds
+
     def extra(self, best: Trial) -> Trial:
         return best
 
@@ -88,15 +98,14 @@ class Search:
         ref = self.reference()
         bench.set_reference(ref)
         start = ref.speed.batch_size
-        # Each precision in channels_last (the layout convolutions run fastest in, on CPUs and
-        # GPUs alike), then the best of those with the rewrites toggled (added; on a CPU, where
-        # they are in from the first, left out), then the plain layout. A precision this device
-        # does not run fast is skipped without timing.
-        for p in self.precisions:
-            run(Speed(p, True, batch_size=start, rewrites=self.base))
+        # The opening (each precision in channels_last, one with the rewrites toggled), then the
+        # best so far with the rewrites toggled where the opening did not time that, then the
+        # plain layout. A precision this device does not run fast is skipped without timing.
+        bench.run_many([s for s in self.opening(ref.speed) if not bench.timed(s)])
         best = max((t for t in bench.rows if bench.sound(t)), key=lambda t: t.images_per_s)
-        if self.try_rewrites:
-            t = run(replace(best.speed, rewrites=() if best.speed.rewrites else rewrite.ALL))
+        toggled = replace(best.speed, rewrites=() if best.speed.rewrites else rewrite.ALL)
+        if self.try_rewrites and not bench.timed(toggled):
+            t = run(toggled)
             best = t if better(t, best) else best
         for p in self.precisions[:-1]:  # the plain layout (fp32's is the reference, timed first)
             t = run(Speed(p, False, batch_size=start, rewrites=best.speed.rewrites))
@@ -159,7 +168,7 @@ class Search:
         known_bad = {t.speed.label() for t in bench.rows if not bench.sound(t)}
         near = [s for s in self.neighbours(best.speed) if s.label() not in known_bad]
         return _final(bench.rows, list(leaders.values())[:4 if self.busy else 3] + near, bench.sound,
-                      bench.run) or best
+                      bench.run_many) or best
 
 
 class CpuSearch(Search):
@@ -183,6 +192,14 @@ class CpuSearch(Search):
         start = self.pinned or measure.start_batch_for(bench.model, bench.input_shape, bench.dev, self.max_batch, allowance,
                                                bench.forward_s)
         return Speed("fp32", False, batch_size=start, rewrites=self.base)
+
+    def reference(self) -> Trial:
+        """The first setting, timed together with the opening (on a CPU a single timing swings
+        10-30%: the first comparison decides most of a short tune)."""
+        first = self.first_speed()
+        if self.bench.together is None:
+            return self.bench.run(first)
+        return self.bench.run_many([first] + self.opening(first))[0]
 
     def extra(self, best: Trial) -> Trial:
         cores, threads = hardware.physical_cores(), torch.get_num_threads()

@@ -18,6 +18,7 @@ from trainfast.models import rewrite
 from trainfast.tuning import budget
 from trainfast.tuning.budget import Bench
 from trainfast.tuning.measure import QUICK_STEPS, measure_trial, warm_forward_s
+from trainfast.tuning.together import measure_together
 from trainfast.tuning.result import Trial, TuneResult, data_max_batch
 from trainfast.tuning.search import MAX_BATCH, CpuSearch, CudaSearch
 
@@ -185,8 +186,13 @@ def _bench(model, input_shape, first_out, dev, measure, probe, optimizer: str, f
     out_shape = getattr(model, "output_shape", None) or first_out
     own_timing = measure is None
     measure = measure or functools.partial(measure_trial, optimizer=optimizer)
+    # NOTE: settings are timed together, in turns, on a CPU only: there one timing swings 10-30%; a
+    # GPU's steps are steadier, and a turn's synchronisation would cost a launch-bound step its overlap.
+    # (A test's `measure` may carry its own `together`.)
+    together = (functools.partial(measure_together, optimizer=optimizer) if own_timing and dev.type == "cpu"
+                else getattr(measure, "together", None))
     bench = Bench(model, input_shape, out_shape, dev, measure, log, max_seconds=max_seconds,
-                  planned_images=planned_images, budget_share=budget_share, forward_s=forward_s)
+                  planned_images=planned_images, budget_share=budget_share, forward_s=forward_s, together=together)
     if probe is None and own_timing:
         # Where the run compares on its own first steps, a first step slow enough to call the run too
         # short to search settles it: the rest of the quick timing could only find it shorter still.

@@ -573,14 +573,14 @@ def test_cpu_threads_are_chosen_by_timing_the_runs_own_steps(digits_packs, tmp_p
 
     def seconds(threads):  # the neighbour is there for the first trial's readings, then gone
         calls[0] += 1
-        return {2: 0.1, 1: 0.05}[threads] if calls[0] <= 9 else {2: 0.05, 1: 0.09}[threads]  # 1 + 2 laps of 4
+        return {2: 0.25, 1: 0.05}[threads] if calls[0] <= 9 else {2: 0.05, 1: 0.09}[threads]  # 1 + 2 laps of 4
     step_clock(monkeypatch, seconds)
     torch.set_num_threads(2)
     said = []
     r = fit(_linear(), train, config=TrainConfig(epochs=2), speed=Speed(batch_size=64), device="cpu",
             run_dir=tmp_path / "run", progress=False, log=said.append)  # the clock is fake: any model serves
     assert [row["threads"] for row in r.history] == [1, 2] and torch.get_num_threads() == 2
-    assert "threads 2 → 1: timed on the run's own steps (50.0 ms a step with 1, 100 ms with 2)" in said, said
+    assert "threads 2 → 1: timed on the run's own steps (50.0 ms a step with 1, 250 ms with 2)" in said, said
     assert "threads 1 → 2: timed on the run's own steps (90.0 ms a step with 1, 50.0 ms with 2)" in said, said
     rows = list(csv.DictReader(open(tmp_path / "run" / "metrics.csv")))
     assert [float(row["threads"]) for row in rows] == [1, 2] and [float(r["other_cores"]) for r in rows] == [1.5, 1.5]
@@ -588,7 +588,7 @@ def test_cpu_threads_are_chosen_by_timing_the_runs_own_steps(digits_packs, tmp_p
     decisions = json.loads((tmp_path / "run" / "speed.json").read_text())["decisions"]
     assert decisions == [
         {"what": "settings", "chose": r.speed.label(), "by": "given (or resumed), or the defaults with the pins"},
-        {"what": "threads", "chose": 1, "was": 2, "step_ms": {"1": 50.0, "2": 100.0}, "epoch": 1},
+        {"what": "threads", "chose": 1, "was": 2, "step_ms": {"1": 50.0, "2": 250.0}, "epoch": 1},
         {"what": "threads", "chose": 2, "was": 1, "step_ms": {"1": 90.0, "2": 50.0}, "epoch": 2}], decisions
 
 

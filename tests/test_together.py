@@ -98,6 +98,7 @@ def test_a_cpu_tune_times_its_opening_and_final_rounds_together(monkeypatch):
     kind, labels = seen[0]
     assert kind == "together" and labels[0] == "fp32 + batch 64 + rewrites"  # the reference, beside its rivals
     assert "fp32 + channels_last + batch 64 + rewrites" in labels and "fp32 + channels_last + batch 64" in labels
+    assert "fp32 + channels_last + batch 128 + rewrites" in labels  # and the first doubling of the batch
     assert sum(kind == "together" for kind, _ in seen) >= 3  # the opening and the final's rounds
     assert r.best.channels_last  # the drift that favours what is timed first did not decide
 

@@ -43,7 +43,12 @@ class Threads:
     count sums in another order). Never more than the threads torch had when the run began;
     fit puts those back at its end."""
 
-    SETTLE, LAP, ROUNDS, GAIN, CLEAR, RECHECK = 1, 3, 2, 1.08, 1.5, 4
+    SETTLE, LAP, ROUNDS, GAIN, RECHECK = 1, 3, 2, 1.08, 4
+    # A first round this far apart settles it: beyond what twice the threads can gain on a quiet
+    # machine, so only a neighbour ends a trial early. (At 1.5 a quiet lcnet_050 run timed 1.52×
+    # and stopped, a second timed 1.32× and went on: the two runs trained different steps at one
+    # thread, which sums in another order, and parted ways from their first epoch; issue 51.4.)
+    CLEAR = 2.2
     SLOWER, RECENT = 1.5, 7
 
     def __init__(self, active: bool, since: hardware.OtherLoad | None = None):

@@ -138,7 +138,11 @@ class Bench:
 
     def timed(self, speed: Speed) -> bool:
         """Whether `speed` has a row already (timed, skipped or failed)."""
-        return any(r.speed.label() == speed.label() for r in self.rows)
+        return self.row(speed) is not None
+
+    def row(self, speed: Speed) -> Trial | None:
+        """The last row of `speed`, or None."""
+        return next((r for r in reversed(self.rows) if r.speed.label() == speed.label()), None)
 
     def set_reference(self, ref: Trial) -> None:
         """The first timing: fp32, plain layout; every other setting's loss is judged against its."""

@@ -97,7 +97,7 @@ class Search:
         bench, run, better = self.bench, self.bench.run, self.bench.better
         ref = self.reference()
         bench.set_reference(ref)
-        start = ref.speed.batch_size
+        start = self.start = ref.speed.batch_size
         # The opening (each precision in channels_last, one with the rewrites toggled), then the
         # best so far with the rewrites toggled where the opening did not time that, then the
         # plain layout. A precision this device does not run fast is skipped without timing.
@@ -132,7 +132,7 @@ class Search:
         bench, b, slower = self.bench, start, 0
         while b * 2 <= self.max_batch:
             b *= 2
-            t = bench.run(replace(best.speed, batch_size=b))
+            t = bench.row(replace(best.speed, batch_size=b)) or bench.run(replace(best.speed, batch_size=b))
             if not bench.sound(t):
                 break  # out of memory, or the loss went wrong: larger will not do better
             if bench.better(t, best):
@@ -166,7 +166,12 @@ class Search:
         for t in sorted((t for t in bench.rows if bench.sound(t)), key=lambda t: -t.images_per_s):
             leaders.setdefault(t.speed.label(), t.speed)
         known_bad = {t.speed.label() for t in bench.rows if not bench.sound(t)}
-        near = [s for s in self.neighbours(best.speed) if s.label() not in known_bad]
+        near = self.neighbours(best.speed)
+        if self.pinned is None and bench.together is not None and best.speed.batch_size != self.start:
+            # the winner at the first batch too: fit's batch rule (result.more_steps_unless_faster)
+            # weighs their ratio, which timings taken minutes apart moved from 1.21× to 1.40×
+            near.append(replace(best.speed, batch_size=self.start))
+        near = [s for s in near if s.label() not in known_bad]
         return _final(bench.rows, list(leaders.values())[:4 if self.busy else 3] + near, bench.sound,
                       bench.run_many) or best
 
@@ -199,7 +204,13 @@ class CpuSearch(Search):
         first = self.first_speed()
         if self.bench.together is None:
             return self.bench.run(first)
-        return self.bench.run_many([first] + self.opening(first))[0]
+        group = [first] + self.opening(first)
+        likely = next((s for s in group[1:] if _step.check(s, self.bench.dev) is None), None)
+        if self.pinned is None and likely is not None and 2 * first.batch_size <= self.max_batch:
+            # and the first doubling of the batch: whether a larger batch is "clearly faster" (result.BATCH_GAIN)
+            # is a ratio of two timings, and one taken alone moved it from 1.06× to 1.43× between two runs
+            group.append(replace(likely, batch_size=2 * first.batch_size))
+        return self.bench.run_many(group)[0]
 
     def extra(self, best: Trial) -> Trial:
         cores, threads = hardware.physical_cores(), torch.get_num_threads()

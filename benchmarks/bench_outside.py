@@ -82,6 +82,26 @@ def _loss(out, y):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
+def run_epochs(net, xtr, ytr, epochs: int, batch: int, seed: int, step, score, start: float) -> dict:
+    """`epochs` passes over (xtr, ytr) in full batches of `batch`, reshuffled each (seed), step(x, y)
+    per batch (x uint8); score() after each: {"acc": per epoch, "at": seconds from `start` per
+    epoch, "images_per_s": the median epoch's training rate}."""
+    g = torch.Generator().manual_seed(seed)
+    accs, at, rates = [], [], []
+    for _ in range(epochs):
+        net.train()
+        t = time.perf_counter()
+        order = torch.randperm(len(xtr), generator=g)
+        steps = len(xtr) // batch
+        for i in range(steps):
+            idx = order[i * batch:(i + 1) * batch]
+            step(xtr[idx], ytr[idx])
+        rates.append(steps * batch / (time.perf_counter() - t))
+        accs.append(score())
+        at.append(time.perf_counter() - start)
+    return {"acc": accs, "at": at, "images_per_s": statistics.median(rates)}
+
+
 def plain(net, train, test, epochs: int, seed: int = 0) -> dict:
     """The loop a user writes: AdamW 1e-3, fp32, batch 64, reshuffled each epoch."""
     from trainfast.step import logits_of
@@ -90,22 +110,13 @@ def plain(net, train, test, epochs: int, seed: int = 0) -> dict:
     xtr, ytr = _arrays(train)
     xte, yte = _arrays(test)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(seed)
-    accs, at, rates = [], [], []
-    for _ in range(epochs):
-        net.train()
-        t = time.perf_counter()
-        order = torch.randperm(len(xtr), generator=g)
-        for i in range(0, len(order) - 63, 64):
-            idx = order[i:i + 64]
-            loss = _loss(logits_of(net(xtr[idx].float() / 255)), ytr[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        rates.append(len(order) // 64 * 64 / (time.perf_counter() - t))
-        accs.append(_accuracy(net, xte, yte))
-        at.append(time.perf_counter() - start)
-    return {"acc": accs, "at": at, "images_per_s": statistics.median(rates)}
+
+    def step(x, y):
+        loss = _loss(logits_of(net(x.float() / 255)), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return run_epochs(net, xtr, ytr, epochs, 64, seed, step, lambda: _accuracy(net, xte, yte), start)
 
 
 def with_fit(net, train, test, epochs: int, cache: Path, **kw) -> dict:

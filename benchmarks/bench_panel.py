@@ -102,26 +102,19 @@ def careful(net, train, test, epochs: int, seed: int) -> dict:
     total, warm = per_epoch * epochs, max(1, per_epoch // 2)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: (k + 1) / warm if k < warm else 0.5 * (1 + math.cos(math.pi * (k - warm) / (total - warm))))
-    g = torch.Generator().manual_seed(seed)
-    accs, at, rates = [], [], []
-    for _ in range(epochs):
-        net.train()
-        t = time.perf_counter()
-        order = torch.randperm(len(xtr), generator=g)
-        for i in range(per_epoch):
-            idx = order[i * 128:(i + 1) * 128]
-            x = ((xtr[idx].float() / 255 - m) / s).contiguous(memory_format=torch.channels_last)
-            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-                out = logits_of(net(x))
-            loss = torch.nn.functional.cross_entropy(out.float(), ytr[idx], label_smoothing=0.1)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-        rates.append(per_epoch * 128 / (time.perf_counter() - t))
-        accs.append(_scored(net, xte, yte, mean, std))
-        at.append(time.perf_counter() - start)
-    return {"acc": accs, "at": at, "images_per_s": statistics.median(rates), "bf16": bf16}
+
+    def step(x, y):
+        x = ((x.float() / 255 - m) / s).contiguous(memory_format=torch.channels_last)
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            out = logits_of(net(x))
+        loss = torch.nn.functional.cross_entropy(out.float(), y, label_smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    out = bench_outside.run_epochs(net, xtr, ytr, epochs, 128, seed, step,
+                                   lambda: _scored(net, xte, yte, mean, std), start)
+    return {**out, "bf16": bf16}
 
 
 def run_side(side: str, name: str, seed: int, train, test, epochs: int, tmp: Path) -> dict:

@@ -66,13 +66,15 @@ def _arrays(pk):
     return x, torch.from_numpy(np.array(pk.labels, dtype=np.int64))
 
 
-def _accuracy(net, x, y) -> float:
-    """Held-out accuracy: of the classes, or of the characters where labels are sequences (as fit's val_acc)."""
+def _accuracy(net, x, y, mean=(0.0,), std=(1.0,)) -> float:
+    """Held-out accuracy, the inputs as (x/255 - mean) / std: of the classes, or of the characters
+    where labels are sequences (as fit's val_acc)."""
     from trainfast.step import logits_of
 
+    m, s = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
     net.eval()
     with torch.no_grad():
-        right = sum(int((logits_of(net(x[i:i + 256].float() / 255)).argmax(-1) == y[i:i + 256]).sum())
+        right = sum(int((logits_of(net((x[i:i + 256].float() / 255 - m) / s)).argmax(-1) == y[i:i + 256]).sum())
                     for i in range(0, len(x), 256))
     net.train()
     return right / y.numel()

@@ -73,19 +73,6 @@ def build(name: str, seed: int) -> torch.nn.Module:
     return timm.create_model(arch, num_classes=10) if library == "timm" else getattr(tv.models, arch)(num_classes=10)
 
 
-def _scored(net, x, y, mean, std) -> float:
-    """Held-out accuracy with the inputs normalised as (x/255 - mean) / std."""
-    from trainfast.step import logits_of
-
-    net.eval()
-    m, s = torch.tensor(mean).view(1, -1, 1, 1), torch.tensor(std).view(1, -1, 1, 1)
-    with torch.no_grad():
-        right = sum(int((logits_of(net((x[i:i + 256].float() / 255 - m) / s)).argmax(-1) == y[i:i + 256]).sum())
-                    for i in range(0, len(x), 256))
-    net.train()
-    return right / len(y)
-
-
 def careful(net, train, test, epochs: int, seed: int) -> dict:
     """AdamW + warm-up/cosine, label smoothing, channels_last, normalised inputs, batch 128, bf16 where native."""
     from trainfast.step import logits_of, supports_bf16
@@ -113,7 +100,7 @@ def careful(net, train, test, epochs: int, seed: int) -> dict:
         opt.step()
         sched.step()
     out = bench_outside.run_epochs(net, xtr, ytr, epochs, 128, seed, step,
-                                   lambda: _scored(net, xte, yte, mean, std), start)
+                                   lambda: bench_outside._accuracy(net, xte, yte, mean, std), start)
     return {**out, "bf16": bf16}
 
 
@@ -128,14 +115,14 @@ def run_side(side: str, name: str, seed: int, train, test, epochs: int, tmp: Pat
     out = bench_outside.with_fit(net, train, test, epochs, tmp / f"cache-{name}-{seed}", config=TrainConfig(seed=seed))
     if "error" not in out:
         xte, yte = bench_outside._arrays(test)
-        out["handed_back"] = _scored(net, xte, yte, list(train.mean), list(train.std))  # the user's own scoring
+        out["handed_back"] = bench_outside._accuracy(net, xte, yte, list(train.mean), list(train.std))  # the user's own scoring
     return out
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     flags = Path("/proc/cpuinfo").read_text()
+    cpu = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")),
+               platform.processor())
     isa = "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else \
         "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
     tv, timm = outside_models.import_libraries()
@@ -158,6 +145,16 @@ def _time_to(row: dict, target: float) -> float | None:
 def _med(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def _spread(values, pct=True) -> str:
+    """The median of `values` with their range: a percentage, or a ratio (pct=False; inf: never)."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return "—"
+    f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: "never" if math.isinf(v) else f"{v:.2f}×")
+    med = statistics.median(values)
+    return f(med) + (f" ({f(min(values))}–{f(max(values))})" if len(values) > 1 else "")
 
 
 def report(rows: dict) -> str:
@@ -184,16 +181,9 @@ def report(rows: dict) -> str:
                 ratio[s].append(t / tp if t is not None else math.inf)
         rate = {s: _med([rows[(name, s, r)].get("images_per_s") for r in runs]) for s in SIDES}
 
-        def spread(values, pct=True):
-            values = [v for v in values if v is not None and not math.isnan(v)]
-            if not values:
-                return "—"
-            f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: "never" if math.isinf(v) else f"{v:.2f}×")
-            med = statistics.median(values)
-            return f(med) + (f" ({f(min(values))}–{f(max(values))})" if len(values) > 1 else "")
-        lines.append(f"{name:24s} {len(runs):4d} {spread(best['plain']):>10s} {spread(best['careful']):>12s} "
-                     f"{spread(best['fit']):>8s} {spread(handed):>15s} {spread(reported):>11s} "
-                     f"{spread(ratio['careful'], False):>21s} {spread(ratio['fit'], False):>17s} "
+        lines.append(f"{name:24s} {len(runs):4d} {_spread(best['plain']):>10s} {_spread(best['careful']):>12s} "
+                     f"{_spread(best['fit']):>8s} {_spread(handed):>15s} {_spread(reported):>11s} "
+                     f"{_spread(ratio['careful'], False):>21s} {_spread(ratio['fit'], False):>17s} "
                      f"{' / '.join(f'{v:.0f}' if v else '—' for v in rate.values()):>24s}")
         h = _med(handed)
         tally["models"] += 1
@@ -221,7 +211,7 @@ def report(rows: dict) -> str:
 
 
 def _spinner():
-    """A low-priority process spinning on one core (the users' background programs), or None."""
+    """A low-priority process spinning on one core (the users' background programs)."""
     return subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while 1: pass"])
 
 

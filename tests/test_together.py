@@ -135,6 +135,7 @@ def test_the_budget_leaves_out_the_last_of_a_group_first(monkeypatch):
     rows = bench.run_many(first)
     assert groups == [["fp32 + batch 64", "fp32 + channels_last + batch 64"]] and "skipped" in rows[2].note
     bench.set_reference(rows[0])
+    assert bench.plan["first"] == 1.0  # the reference's share of the group's 2 s: the others' counts as spent
     more = [replace(first[1], batch_size=b) for b in (128, 256, 512)]
     rows = bench.run_many(more)  # 2 s spent, 6.5 left: room for 128 (2 s expected) and 256 (4 s), not 512 (8 s) too
     assert groups[1] == ["fp32 + channels_last + batch 128", "fp32 + channels_last + batch 256"]

@@ -8,11 +8,11 @@ reference, fp32 in the plain layout: on a CPU at a batch whose step stays short
 (start_batch_for) and with the rewrite passes (trainfast.models.rewrite) where they change the
 model, on CUDA at the batch that fills the device (_fill: below it every setting is
 launch-bound and they all look alike). (1) the opening: each precision (fp32, bf16; on CUDA also
-tf32 and fp16) in channels_last, and the likeliest of them with the rewrites toggled (on CUDA
-added, on a CPU left out); on a CPU timed together with the reference, their steps in turns
-(together.py: one timing alone swings 10-30% there, and the machine's speed drifts); (2) the
-winner with the rewrites toggled where the opening did not time that, then each precision in
-the plain layout; (3) batch sizes, powers of two, with the winner so far,
+tf32 and fp16) in channels_last; on a CPU timed together with the reference, their steps in
+turns (together.py: one timing alone swings 10-30% there, and the machine's speed drifts),
+beside the likeliest of them with the rewrites toggled and at twice the batch; (2) the winner
+with the rewrites toggled (on CUDA added, on a CPU left out) where (1) did not time that, then
+each precision in the plain layout; (3) batch sizes, powers of two, with the winner so far,
 until memory runs out or two doublings in a row are slower, then the rewrites once more at
 the new batch; (4) CPU threads, if torch uses fewer than the physical cores; (5) a final: the
 fastest few and the winner's neighbours timed round-robin twice more (on a CPU each round

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 
 
 from trainfast import hardware, units
@@ -43,6 +42,7 @@ class Bench:
         self.plan: dict = {}  # once the reference is timed: its time, and the fastest rate timed so far
         self.slowdown = 1.0  # how much longer than on the quiet machine a compile is expected to take
         self.ref: Trial | None = None
+        self.beside_ref = (0.0, 0.0)  # the seconds and fastest rate of settings timed together with the reference
         self.forward_s = forward_s  # first_forward's time (start_batch_for)
         self.started = clock()
 
@@ -107,34 +107,29 @@ class Bench:
         timed alone."""
         if self.together is None or any(s.compile for s in speeds):
             return [self.run(s) for s in speeds]
+        runnable = [i for i, s in enumerate(speeds) if _step.check(s, self.dev) is None]
         out: dict[int, Trial] = {}
-        runnable = []
-        for i, s in enumerate(speeds):
-            reason = _step.check(s, self.dev)
-            if reason:
-                out[i] = Trial(s, None, note=f"skipped: {reason}")
-            else:
-                runnable.append(i)
         while runnable and self.took and self._spent(sum(self.expected_s(speeds[i]) for i in runnable)):
             i = runnable.pop()
             out[i] = self._not_timed(speeds[i])
         if len(runnable) >= 2:
-            self.log(f"  (the next {len(runnable)} timed together, their steps in turns)")
-            t = clock()
-            with hardware.OtherLoad() as load:
-                trials = self.together(self.model, self.input_shape, self.out_shape, [speeds[i] for i in runnable],
-                                       self.dev)
-            each = (clock() - t) / len(runnable)
-            for i, trial in zip(runnable, trials):
-                trial.other_cores = load.cores
-                self.took.append((each, speeds[i]))
-                out[i] = trial
-        for i in range(len(speeds)):
-            if i in runnable and len(runnable) == 1:
-                out[i] = self.run(speeds[i])
-            elif i in runnable or out[i].note.startswith("skipped"):
-                self._keep(out[i])
-        return [out[i] for i in range(len(speeds))]
+            out.update(zip(runnable, self._time_together([speeds[i] for i in runnable])))
+        # in order: those timed together kept and logged; a skipped one, or the only one left, by run
+        return [self._keep(out[i]) if i in out and i in runnable else out[i] if i in out else self.run(s)
+                for i, s in enumerate(speeds)]
+
+    def _time_together(self, speeds: list[Speed]) -> list[Trial]:
+        self.log(f"  (the next {len(speeds)} timed together, their steps in turns)")
+        t = clock()
+        with hardware.OtherLoad() as load:
+            trials = self.together(self.model, self.input_shape, self.out_shape, speeds, self.dev)
+        each = (clock() - t) / len(speeds)
+        for speed, trial in zip(speeds, trials):
+            trial.other_cores = load.cores
+            self.took.append((each, speed))
+        if self.ref is None:  # timed beside the reference: its budget counts its own share as the first measurement
+            self.beside_ref = (each * (len(speeds) - 1), max((r.images_per_s or 0.0) for r in trials))
+        return trials
 
     def timed(self, speed: Speed) -> bool:
         """Whether `speed` has a row already (timed, skipped or failed)."""
@@ -151,8 +146,8 @@ class Bench:
         self.ref = ref
         # The first measurement's time, set-up included; where the reference was timed together
         # with others, without their share (their time is spent all the same: it counts as spent).
-        first = clock() - self.started - sum(s for s, _ in self.took[1:])
-        self.plan.update(first=first, rate=max(t.images_per_s for t in self.rows if t.images_per_s))
+        beside_s, beside_rate = self.beside_ref
+        self.plan.update(first=clock() - self.started - beside_s, rate=max(ref.images_per_s, beside_rate))
         if self.planned_images and self.budget_share:
             self.log(f"  (tune budget: at most {self.budget():.1f} s in all: after this first measurement "
                      f"({self.plan['first']:.1f} s), {self.budget_share:.0%} of the planned training, "
@@ -202,8 +197,7 @@ def short_run(probe, bench: Bench, search, in_run: bool = False
     if not short:
         return None
     rows, best, candidate = [ref], ref, None
-    likely = next((s for s in (replace(first, precision=p, channels_last=True) for p in search.precisions)
-                   if _step.check(s, bench.dev) is None), None)
+    likely = search.likely(first)
     if likely is not None and likely != first and in_run:
         candidate = likely
     elif likely is not None and likely != first:

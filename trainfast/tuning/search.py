@@ -80,15 +80,13 @@ class Search:
         return self.bench.run(self.first_speed())
 
     def opening(self, first: Speed) -> list[Speed]:
-        """The settings timed beside the reference, together where the bench times in turns:
-        each precision in channels_last (the layout convolutions run fastest in, on CPUs and
-        GPUs alike), and the likeliest of them with the rewrites toggled (added; on a CPU,
-        where they are in from the first, left out)."""
-        speeds = [Speed(p, True, batch_size=first.batch_size, rewrites=self.base) for p in self.precisions]
-        likely = next((s for s in speeds if _step.check(s, self.bench.dev) is None), None)
-        if self.try_rewrites and likely is not None:
-            speeds.append(replace(likely, rewrites=() if likely.rewrites else rewrite.ALL))
-        return speeds
+        """Each precision in channels_last (the layout convolutions run fastest in, on CPUs and
+        GPUs alike), at the first setting's batch and rewrites: the first rivals of `first`."""
+        return [replace(first, precision=p, channels_last=True) for p in self.precisions]
+
+    def likely(self, first: Speed) -> Speed | None:
+        """The likeliest winner: the fastest precision this device runs, in channels_last."""
+        return next((s for s in self.opening(first) if _step.check(s, self.bench.dev) is None), None)
 
     def extra(self, best: Trial) -> Trial:
         return best
@@ -98,9 +96,10 @@ class Search:
         ref = self.reference()
         bench.set_reference(ref)
         start = self.start = ref.speed.batch_size
-        # The opening (each precision in channels_last, one with the rewrites toggled), then the
-        # best so far with the rewrites toggled where the opening did not time that, then the
-        # plain layout. A precision this device does not run fast is skipped without timing.
+        # The opening (each precision in channels_last), then the best so far with the rewrites
+        # toggled (added; on a CPU, where they are in from the first, left out) unless a CPU's
+        # first group timed that, then the plain layout. A precision this device does not run
+        # fast is skipped without timing.
         bench.run_many([s for s in self.opening(ref.speed) if not bench.timed(s)])
         best = max((t for t in bench.rows if bench.sound(t)), key=lambda t: t.images_per_s)
         toggled = replace(best.speed, rewrites=() if best.speed.rewrites else rewrite.ALL)
@@ -199,15 +198,17 @@ class CpuSearch(Search):
         return Speed("fp32", False, batch_size=start, rewrites=self.base)
 
     def reference(self) -> Trial:
-        """The first setting, timed together with the opening (on a CPU a single timing swings
-        10-30%: the first comparison decides most of a short tune)."""
+        """The first setting, timed together with the opening, the likeliest winner with the
+        rewrites toggled and that at twice the batch (on a CPU a single timing swings 10-30%:
+        the first comparisons decide most of a short tune)."""
         first = self.first_speed()
         if self.bench.together is None:
             return self.bench.run(first)
-        group = [first] + self.opening(first)
-        likely = next((s for s in group[1:] if _step.check(s, self.bench.dev) is None), None)
-        if self.pinned is None and likely is not None and 2 * first.batch_size <= self.max_batch:
-            # and the first doubling of the batch: whether a larger batch is "clearly faster" (result.BATCH_GAIN)
+        group, likely = [first] + self.opening(first), self.likely(first)
+        if likely is not None and self.try_rewrites:  # the likeliest with the rewrites toggled
+            group.append(replace(likely, rewrites=() if likely.rewrites else rewrite.ALL))
+        if likely is not None and self.pinned is None and 2 * first.batch_size <= self.max_batch:
+            # and its first doubling of the batch: whether a larger batch is "clearly faster" (result.BATCH_GAIN)
             # is a ratio of two timings, and one taken alone moved it from 1.06× to 1.43× between two runs
             group.append(replace(likely, batch_size=2 * first.batch_size))
         return self.bench.run_many(group)[0]

@@ -127,7 +127,23 @@ def machine() -> dict:
         "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other"
     tv, timm = outside_models.import_libraries()
     return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "torch": torch.__version__,
-            "timm": timm.__version__, "torchvision": tv.__version__}
+            "timm": timm.__version__, "torchvision": tv.__version__, "commit": _commit()}
+
+
+def _commit() -> str | None:
+    """The trainfast commit that ran (rounds added in later sessions may run other code), with
+    "+" where its files differ from that commit; None outside a git checkout."""
+    import trainfast
+
+    src = Path(trainfast.__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
 
 
 def _done(path: Path, where: dict) -> dict:
@@ -196,6 +212,7 @@ def report(rows: dict) -> str:
         tally["never"] += math.isinf(med_ratio)
         tally["rate_ok"] += bool(rate["fit"] and rate["plain"] and rate["fit"] >= rate["plain"])
     n = tally["models"]
+    commits = sorted({str(r["machine"].get("commit")) for r in rows.values()})
     if n:
         finite = [r for r in tally["ratios"] if not math.isinf(r)]
         lines += ["", f"the model fit hands back ≥ the plain loop's best − 1 point: {tally['fit_vs_plain']} of {n}; "
@@ -206,7 +223,8 @@ def report(rows: dict) -> str:
                   f"{statistics.median(tally['ratios']):.2f}×"
                   + (f", worst reached {max(finite):.2f}×" if finite else "") + f", never reached: {tally['never']}",
                   f"fit's median training images/s ≥ the plain loop's: {tally['rate_ok']} of {n} "
-                  f"(fit's rate excludes its tune and evaluation; both count in the times)"]
+                  f"(fit's rate excludes its tune and evaluation; both count in the times)",
+                  f"trainfast commits behind these rows: {', '.join(commits)} (None: before commits were recorded)"]
     return "\n".join(lines)
 
 

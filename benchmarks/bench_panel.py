@@ -244,10 +244,14 @@ def main(argv=None) -> None:
     ap.add_argument("--beside-nice", action="store_true",
                     help="run beside a process spinning on one core at nice 19 (recorded as such)")
     ap.add_argument("--report", action="store_true", help="print the table of --out and stop")
+    ap.add_argument("--commit", nargs="*", help="with --report: only the rows these trainfast commits ran")
     a = ap.parse_args(argv)
     where = {**machine(), "beside": "nice-19 spinner" if a.beside_nice else None}
     if a.report:
-        print(report(_done(a.out, where)))
+        rows = _done(a.out, where)
+        if a.commit:
+            rows = {k: r for k, r in rows.items() if r["machine"].get("commit") in a.commit}
+        print(report(rows))
         return
     names = a.only or list(MODELS)
     done = _done(a.out, where)

@@ -154,6 +154,11 @@ def _done(path: Path, where: dict) -> dict:
             and r.get("beside") == where.get("beside")}
 
 
+def of_commits(rows: dict, commits) -> dict:
+    """The rows that these trainfast commits ran (a round's code alone)."""
+    return {k: r for k, r in rows.items() if r["machine"].get("commit") in commits}
+
+
 def _time_to(row: dict, target: float) -> float | None:
     return next((t for a, t in zip(row["acc"], row["at"]) if a >= target - 1e-9), None)
 
@@ -249,9 +254,7 @@ def main(argv=None) -> None:
     where = {**machine(), "beside": "nice-19 spinner" if a.beside_nice else None}
     if a.report:
         rows = _done(a.out, where)
-        if a.commit:
-            rows = {k: r for k, r in rows.items() if r["machine"].get("commit") in a.commit}
-        print(report(rows))
+        print(report(of_commits(rows, a.commit) if a.commit else rows))
         return
     names = a.only or list(MODELS)
     done = _done(a.out, where)

@@ -2,7 +2,7 @@
 held-out regions were never seen in training; `trainfast.fit` with its defaults against the
 loop a user writes and a careful one, several runs per side, scored the way the model is used.
 
-    python benchmarks/bench_panel.py --runs 3 --out panel.jsonl        # ~80 min a round on 2 CPU cores
+    python benchmarks/bench_panel.py --runs 3 --out panel.jsonl        # ~80-95 min a round of 14 models on 2 CPU cores
     python benchmarks/bench_panel.py --out panel.jsonl --report         # the table of what is there
 
 Data (photos.natural_patches): 10,000 training and 2,500 held-out 32×32 patches of ten of

@@ -37,7 +37,7 @@ SUITE = {  # name: benchmarks/bench_SCRIPT.py and its arguments
     "outside": ("outside", []),  # 18 torchvision/timm models, fit's defaults against a plain loop (~15 min)
     "keras_feed": ("keras_feed", []),  # Keras's feeds per backend: TensorFlow, torch, JAX (~15 min)
 }
-# Left out for its length: bench_panel.py (issue 51.3's realistic panel, ~75 min a round of 12 models on
+# Left out for its length: bench_panel.py (issue 51.3's realistic panel, ~80-95 min a round of 14 models on
 # 2 cores; `--runs 3 --out panel.jsonl` appends rounds and skips what is done, `--report` prints the table).
 
 

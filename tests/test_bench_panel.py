@@ -25,7 +25,7 @@ def _write(tmp_path, rows):
     return out
 
 
-def test_report_counts_targets_and_a_commit_filter_keeps_one_codes_rows(tmp_path, capsys):
+def test_report_counts_targets_and_a_commit_filter_keeps_one_codes_rows(tmp_path):
     rows = [  # run 0 on old code: fit reaches the plain best (0.60) at 20 s against the plain loop's 10 s
         _row("plain", 0, [0.60, 0.50], [10, 20], "old"), _row("careful", 0, [0.55, 0.58], [8, 16], "old"),
         _row("fit", 0, [0.50, 0.70], [12, 20], "old", rate=150),

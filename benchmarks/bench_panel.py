@@ -159,10 +159,6 @@ def of_commits(rows: dict, commits) -> dict:
     return {k: r for k, r in rows.items() if r["machine"].get("commit") in commits}
 
 
-def _time_to(row: dict, target: float) -> float | None:
-    return next((t for a, t in zip(row["acc"], row["at"]) if a >= target - 1e-9), None)
-
-
 def _med(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -196,9 +192,9 @@ def report(rows: dict) -> str:
         ratio = {s: [] for s in ("careful", "fit")}
         for r in runs:
             p = rows[(name, "plain", r)]
-            target, tp = max(p["acc"]), _time_to(p, max(p["acc"]))
+            target, tp = max(p["acc"]), bench_outside.time_to(p, max(p["acc"]))
             for s in ratio:
-                t = _time_to(rows[(name, s, r)], target)
+                t = bench_outside.time_to(rows[(name, s, r)], target)
                 ratio[s].append(t / tp if t is not None else math.inf)
         rate = {s: _med([rows[(name, s, r)].get("images_per_s") for r in runs]) for s in SIDES}
 

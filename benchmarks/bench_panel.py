@@ -146,11 +146,12 @@ def _commit() -> str | None:
     return head + ("+" if dirty else "")
 
 
-def _done(path: Path, where: dict) -> dict:
-    """{(model, side, run): row} of the rows already in `path` from this kind of machine."""
+def _done(path: Path, where: dict, any_machine: bool = False) -> dict:
+    """{(model, side, run): row} of the rows already in `path` from this kind of machine (any_machine:
+    from every machine with as many cores; a run's sides always ran together, on one machine)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return {(r["model"], r["side"], r["run"]): r for r in rows
-            if r["machine"]["isa"] == where["isa"] and r["machine"]["cores"] == where["cores"]
+            if (any_machine or r["machine"]["isa"] == where["isa"]) and r["machine"]["cores"] == where["cores"]
             and r.get("beside") == where.get("beside")}
 
 
@@ -214,6 +215,9 @@ def report(rows: dict) -> str:
         tally["rate_ok"] += bool(rate["fit"] and rate["plain"] and rate["fit"] >= rate["plain"])
     n = tally["models"]
     commits = sorted({str(r["machine"].get("commit")) for r in rows.values()})
+    cpus = sorted({f'{r["machine"]["cpu"]} ({r["machine"]["isa"]}): runs '
+                   + ",".join(sorted({str(k[2]) for k, q in rows.items() if q["machine"]["cpu"] == r["machine"]["cpu"]}))
+                   for r in rows.values()})
     if n:
         finite = [r for r in tally["ratios"] if not math.isinf(r)]
         lines += ["", f"the model fit hands back ≥ the plain loop's best − 1 point: {tally['fit_vs_plain']} of {n}; "
@@ -225,7 +229,8 @@ def report(rows: dict) -> str:
                   + (f", worst reached {max(finite):.2f}×" if finite else "") + f", never reached: {tally['never']}",
                   f"fit's median training images/s ≥ the plain loop's: {tally['rate_ok']} of {n} "
                   f"(fit's rate excludes its tune and evaluation; both count in the times)",
-                  f"trainfast commits behind these rows: {', '.join(commits)} (None: before commits were recorded)"]
+                  f"trainfast commits behind these rows: {', '.join(commits)} (None: before commits were recorded)",
+                  f"CPUs: {'; '.join(cpus)}"]
     return "\n".join(lines)
 
 
@@ -238,6 +243,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", choices=list(MODELS), help="models to run (default: all)")
     ap.add_argument("--runs", type=int, default=3, help="runs per side (seeds 0 … runs-1)")
+    ap.add_argument("--first-run", type=int, default=0,
+                    help="start at this run (seed): add runs 1 … runs-1 where run 0 ran elsewhere")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--train", type=int, default=10_000)
     ap.add_argument("--test", type=int, default=2_500)
@@ -246,10 +253,12 @@ def main(argv=None) -> None:
                     help="run beside a process spinning on one core at nice 19 (recorded as such)")
     ap.add_argument("--report", action="store_true", help="print the table of --out and stop")
     ap.add_argument("--commit", nargs="*", help="with --report: only the rows these trainfast commits ran")
+    ap.add_argument("--any-machine", action="store_true",
+                    help="with --report: pool the rows of every CPU with this many cores (the CPUs are listed)")
     a = ap.parse_args(argv)
     where = {**machine(), "beside": "nice-19 spinner" if a.beside_nice else None}
     if a.report:
-        rows = _done(a.out, where)
+        rows = _done(a.out, where, a.any_machine)
         print(report(of_commits(rows, a.commit) if a.commit else rows))
         return
     names = a.only or list(MODELS)
@@ -264,7 +273,7 @@ def main(argv=None) -> None:
             train = trainfast.pack((xtr, ytr), tmp / "train", size=(32, 32), progress=False)
             test = trainfast.pack((xte, yte), tmp / "test", size=(32, 32), progress=False)
             print(f"{where}; patches {len(train)} train / {len(test)} held out; {a.epochs} epochs", flush=True)
-            for run in range(a.runs):
+            for run in range(a.first_run, a.runs):
                 for i, name in enumerate(names):
                     for side in SIDES[i % 3:] + SIDES[:i % 3]:
                         if (name, side, run) in done:

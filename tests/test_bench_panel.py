@@ -44,3 +44,16 @@ def test_report_counts_targets_and_a_commit_filter_keeps_one_codes_rows(tmp_path
     text = bench_panel.report(bench_panel.of_commits(bench_panel._done(out, WHERE), ["old"]))
     assert "commits behind these rows: old" in text and "median over models 2.00×" in text
     assert "≥ the plain loop's best − 1 point: 1 of 1" in text and "to 0.1 point: 1 of 1" in text
+
+
+def test_rows_of_another_cpu_are_pooled_only_when_asked_and_the_report_names_the_cpus(tmp_path):
+    other = {**WHERE, "cpu": "other", "isa": "avx512"}
+    rows = [_row(s, 0, [0.6, 0.7], [10, 20], "c") for s in bench_panel.SIDES]
+    rows += [{**_row(s, 1, [0.5, 0.6], [10, 20], "c"), "machine": {**other, "commit": "c"}} for s in bench_panel.SIDES]
+    out = _write(tmp_path, rows)
+    assert {k[2] for k in bench_panel._done(out, WHERE)} == {0}  # this kind of machine only: a rerun redoes run 1
+    pooled = bench_panel._done(out, WHERE, any_machine=True)
+    assert {k[2] for k in pooled} == {0, 1}
+    text = bench_panel.report(pooled)
+    assert "CPUs: other (avx512): runs 1; test (avx2): runs 0" in text
+    assert bench_panel._done(out, {**WHERE, "cores": 4}, any_machine=True) == {}  # never across core counts

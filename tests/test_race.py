@@ -123,6 +123,28 @@ def test_a_short_run_keeps_the_rule_and_says_why(digits_packs, tmp_path, monkeyp
     assert r.speed.batch_size == 32 and any("too short to race" in m for m in said)
 
 
+def test_a_short_run_at_a_smaller_batch_says_which_setting_trains(digits_packs, tmp_path, monkeypatch):
+    """Issue 51.4: tune's "chosen:" is channels_last + rewrites at batch 32; the rule drops to batch 16,
+    where the fastest timing had no rewrites. The log says what trains and why, not a silent change."""
+    import trainfast
+    from trainfast import tuning
+    from trainfast.tuning import Trial, TuneResult
+    train, test = digits_packs
+    best = Speed("fp32", True, batch_size=32, rewrites=("pool_before_relu",))
+
+    def fake_tune(model, shape, **kw):
+        return TuneResult(best, [Trial(Speed("fp32", True, batch_size=16), 380.0, 2.3),
+                                 Trial(Speed("fp32", True, batch_size=16, rewrites=("pool_before_relu",)), 370.0, 2.3),
+                                 Trial(best, 480.0, 2.3)])  # 1.26×: raced if the run were long enough
+    monkeypatch.setattr(tuning, "tune", fake_tune)
+    said = []
+    r = trainfast.fit(_net(), train, test, epochs=1, device="cpu", run_dir=tmp_path / "a", progress=False,
+                      log=said.append, config=TrainConfig(lr=1e-3, epochs=1))
+    assert r.speed == Speed("fp32", True, batch_size=16, threads=r.speed.threads)
+    line = next(m for m in said if "too short to race" in m)
+    assert "training with fp32 + channels_last + batch 16, the fastest tune timed at batch 16" in line
+
+
 @pytest.mark.parametrize("edit", ["a string", "other entrants", "fp16 on a CPU", "a zero rate", "a string loss",
                                   "no speed", "steps of 2.5"])
 def test_a_race_cache_entry_that_does_not_validate_is_raced_again_and_named(tmp_path, monkeypatch, edit):

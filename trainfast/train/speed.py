@@ -89,7 +89,8 @@ def raced_batch(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfi
     if seconds is None:
         say(f"batch: the rule's {rule.batch_size} (tune timed batch {front[-1][1].batch_size} "
             f"{front[-1][0] / front[0][0]:.2f}× batch {front[0][1].batch_size}'s rate, but this run is too short to "
-            f"race them to a loss: {race.RACE_SHARE:.0%} of it would not fit {race.MIN_LAP_STEPS} steps of each)")
+            f"race them to a loss: {race.RACE_SHARE:.0%} of it would not fit {race.MIN_LAP_STEPS} steps of each)"
+            f"{_at_that_batch(rule, front)}")
         return rule, {}
     def lr_for(batch: int) -> float:
         return scale_lr(cfg.optimizer, cfg.lr, user_batch, batch) if cfg.lr else default_lr(cfg.optimizer, batch)
@@ -106,6 +107,13 @@ def raced_batch(net, pk: Pack, subset, front: list, rule: Speed, cfg: TrainConfi
     won = race.choose(laps, replace(rule, compile=False))
     say(race.table(laps, won, seconds, len(probe_idx), cached))
     return replace(won, compile=rule.compile), {"lap_s": seconds, "laps": [lap.to_dict() for lap in laps], "cached": cached}
+
+
+def _at_that_batch(rule: Speed, front: list) -> str:
+    """Where the rule's setting is not tune's "chosen:" at a smaller batch: that it is the fastest
+    tune timed at this batch, so a change of layout or rewrites is said, not silent."""
+    return f"; training with {rule.label()}, the fastest tune timed at batch {rule.batch_size}" \
+        if any(s.batch_size > rule.batch_size for _, s in front) else ""
 
 
 def runnable(speed: Speed, dev: torch.device, say) -> Speed:

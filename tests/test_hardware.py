@@ -49,3 +49,27 @@ def test_peaks_measured_on_a_busy_machine_are_used_but_not_cached(monkeypatch):
     assert not quiet["busy"] and not quiet["cached"] and hardware.peaks(cpu)["cached"]
     other_load(monkeypatch, 1.3)  # a busy remeasure keeps the quiet figure
     assert hardware.peaks(cpu, remeasure=True)["cached"]
+
+
+def test_denormals_are_flushed_in_the_block_and_the_callers_setting_comes_back():
+    import torch
+
+    from trainfast.hardware import flushed_denormals
+
+    def flushed() -> bool:
+        return torch.tensor(1e-40, dtype=torch.float32).item() == 0.0
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush denormals")
+    with flushed_denormals():
+        assert flushed()
+        tiny = torch.full((4,), 1e-30) * torch.full((4,), 1e-10)  # 1e-40: a denormal result
+        assert (tiny == 0).all()
+    assert not flushed()
+    torch.set_flush_denormal(True)  # a user who flushes already keeps it
+    try:
+        with flushed_denormals():
+            assert flushed()
+        assert flushed()
+    finally:
+        torch.set_flush_denormal(False)

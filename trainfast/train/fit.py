@@ -123,7 +123,7 @@ def fit(model, train, val=None, *, epochs: int | None = None, batch_size: int | 
     # NOTE: the caller's random streams are put back: the CPU's, and the current GPU's where CUDA
     # is in use already (forking every GPU's would start CUDA on each, in each torchrun process).
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with _determinism(cfg.deterministic), torch.random.fork_rng(devices=cuda):
+    with _determinism(cfg.deterministic), torch.random.fork_rng(devices=cuda), hardware.flushed_denormals():
         threads = torch.get_num_threads()  # a run may lower them for a while (Threads) or pin them (Speed.threads)
         try:
             try:

@@ -215,9 +215,10 @@ def report(rows: dict) -> str:
         tally["rate_ok"] += bool(rate["fit"] and rate["plain"] and rate["fit"] >= rate["plain"])
     n = tally["models"]
     commits = sorted({str(r["machine"].get("commit")) for r in rows.values()})
-    cpus = sorted({f'{r["machine"]["cpu"]} ({r["machine"]["isa"]}): runs '
-                   + ",".join(sorted({str(k[2]) for k, q in rows.items() if q["machine"]["cpu"] == r["machine"]["cpu"]}))
-                   for r in rows.values()})
+    runs_on: dict[str, set] = {}
+    for (_, _, run), r in rows.items():
+        runs_on.setdefault(f'{r["machine"]["cpu"]} ({r["machine"]["isa"]})', set()).add(run)
+    cpus = [f"{cpu}: runs {','.join(map(str, sorted(runs)))}" for cpu, runs in sorted(runs_on.items())]
     if n:
         finite = [r for r in tally["ratios"] if not math.isinf(r)]
         lines += ["", f"the model fit hands back ≥ the plain loop's best − 1 point: {tally['fit_vs_plain']} of {n}; "

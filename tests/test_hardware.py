@@ -54,10 +54,8 @@ def test_peaks_measured_on_a_busy_machine_are_used_but_not_cached(monkeypatch):
 def test_denormals_are_flushed_in_the_block_and_the_callers_setting_comes_back():
     import torch
 
+    from trainfast.hardware import denormals_flushed as flushed
     from trainfast.hardware import flushed_denormals
-
-    def flushed() -> bool:
-        return torch.tensor(1e-40, dtype=torch.float32).item() == 0.0
 
     if not torch.set_flush_denormal(False):
         pytest.skip("this CPU cannot flush denormals")

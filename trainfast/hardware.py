@@ -100,6 +100,14 @@ def fast_precisions(device) -> tuple[str, ...]:
     return ()
 
 
+def denormals_flushed() -> bool:
+    """This thread's CPU arithmetic flushes denormal floats to zero (torch has no getter: a
+    denormal float32 written under flush-to-zero reads back as 0)."""
+    import torch
+
+    return torch.tensor(1e-40, dtype=torch.float32).item() == 0.0
+
+
 @contextlib.contextmanager
 def flushed_denormals():
     """CPU float results below 1.2e-38 flushed to zero for the block, as TensorFlow's thread pools
@@ -110,11 +118,7 @@ def flushed_denormals():
     arithmetic; False from torch.set_flush_denormal (a CPU without SSE3 DAZ) leaves all as it was."""
     import torch
 
-    def on() -> bool:  # no getter in torch: a denormal written under FTZ reads back as zero
-        return torch.tensor(1e-40, dtype=torch.float32).item() == 0.0
-
-    before = on()
-    if before or not torch.set_flush_denormal(True):
+    if denormals_flushed() or not torch.set_flush_denormal(True):
         yield
         return
     try:
